@@ -1,0 +1,216 @@
+"""Codec throughput: fused numba kernels vs the vectorised torch path, against copy bandwidth.
+
+Run:  .venv/bin/python bench/codec.py            (N = 1M, 25M, 100M; ~2 minutes on 2 cores)
+      .venv/bin/python bench/codec.py --sizes 1000000 --repeats 3   (quick)
+
+For each N (float32) and each case (sparse at ~3% and ~0.1% density, and a bitmap-sized case at
+~25%), one run measures:
+
+* ``copy``: ``residual += update`` with torch, the floor of any encode (12 bytes per element:
+  read residual, read update, write residual);
+* ``encode``: ``residual += update`` and encode, in the format the case calls for;
+* ``decode``: adding the message into a float32 target.
+
+for gradshare's fused kernels and for the same algorithm as plain vectorised torch ops (the path
+gradshare uses on CUDA). Encode rates count 12 bytes per element; ``vs copy`` is the ratio of
+the copy time to the encode time (1.0 = as fast as the floor). Every figure is the best of
+``--repeats`` runs, each started from the same residual. Results go to bench/results/codec.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import json
+import os
+import platform
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numba
+import numpy as np
+import torch
+
+from gradshare import codec
+
+RESULTS = Path(__file__).resolve().parent / "results"
+CASES = {"sparse-3%": 0.03, "sparse-0.1%": 0.001, "bitmap-25%": 0.25}
+
+
+@dataclass
+class Row:
+    numel: int
+    case: str
+    density: float
+    impl: str
+    op: str
+    seconds: float
+    elements_per_s: float
+    gb_per_s: float
+    vs_copy: float
+    vs_torch: float
+
+
+@contextlib.contextmanager
+def torch_ops() -> Iterator[None]:
+    saved = codec._use_kernels
+    codec._use_kernels = lambda x: False  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        codec._use_kernels = saved  # type: ignore[assignment]
+
+
+def best_of(fn: Callable[[], object], reset: Callable[[], object], repeats: int) -> float:
+    reset()
+    fn()  # warm-up (compiles the kernels on the first call)
+    times = []
+    for _ in range(repeats):
+        reset()
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def threshold_for(x: torch.Tensor, density: float) -> float:
+    """The float32 threshold that about ``density`` of ``|x|`` reaches (from a sample)."""
+    sample = x[:: max(1, x.numel() // 1_000_000)].abs().double()
+    return codec.float32_threshold(float(torch.quantile(sample, 1 - density)))
+
+
+def encode_step(ws: codec.Workspace, r: torch.Tensor, u: torch.Tensor, t: float, bitmap: bool):
+    """What an Encoder does after its checks: add, count, then the format the count calls for."""
+    if bitmap:
+        return ws.bitmap_(r, t, u)[0]
+    ws.scan_(r, u, t)
+    return ws.emit_(r)
+
+
+def run(sizes: list[int], repeats: int) -> list[Row]:
+    rows: list[Row] = []
+    for n in sizes:
+        rows += measure(n, repeats)
+    return rows
+
+
+def measure(n: int, repeats: int) -> list[Row]:
+    """All cases for one N, in one process and one run, so that ratios compare like with like."""
+    g = torch.Generator().manual_seed(n)
+    r0 = torch.randn(n, generator=g) * 1e-3
+    u = torch.randn(n, generator=g) * 1e-3
+    r = r0.clone()
+    target = torch.zeros(n)
+
+    def reset() -> None:
+        r.copy_(r0)
+
+    copy_s = best_of(lambda: r.add_(u), reset, repeats)
+    rows = [Row(n, "copy", 1.0, "torch", "r += u", copy_s, n / copy_s, 12 * n / copy_s / 1e9, 1, 1)]
+    for case, density in CASES.items():
+        t = threshold_for(r0 + u, density)
+        bitmap = case.startswith("bitmap")
+        ws = codec.Workspace()
+        timings: dict[str, tuple[float, float, torch.Tensor]] = {}
+        for impl in ("torch", "gradshare"):
+            with torch_ops() if impl == "torch" else contextlib.nullcontext():
+                step = functools.partial(encode_step, ws, r, u, t, bitmap)
+                enc = best_of(step, reset, repeats)
+                reset()
+                msg = encode_step(ws, r, u, t, bitmap)
+                dec = best_of(lambda: codec.decode_(msg, target), lambda: None, repeats)  # noqa: B023
+            timings[impl] = (enc, dec, msg)
+        entries = codec.message_info(timings["gradshare"][2]).num_entries
+        t_enc, t_dec, _ = timings["torch"]
+        per = n if bitmap else entries
+        dec_bytes = 4 * n if bitmap else 8 * entries
+        for impl, (enc, dec, _) in timings.items():
+            rows.append(
+                Row(
+                    n,
+                    case,
+                    entries / n,
+                    impl,
+                    "encode",
+                    enc,
+                    n / enc,
+                    12 * n / enc / 1e9,
+                    copy_s / enc,
+                    t_enc / enc,
+                )
+            )
+            rows.append(
+                Row(
+                    n,
+                    case,
+                    entries / n,
+                    impl,
+                    "decode",
+                    dec,
+                    per / dec,
+                    dec_bytes / dec / 1e9,
+                    copy_s / dec,
+                    t_dec / dec,
+                )
+            )
+    return rows
+
+
+def table(rows: list[Row]) -> str:
+    head = (
+        f"{'N':>11} {'case':<12} {'density':>8} {'impl':<9} {'op':<7} {'ms':>9} "
+        f"{'Melem/s':>9} {'GB/s':>7} {'vs copy':>8} {'vs torch':>9}"
+    )
+    lines = [head, "-" * len(head)]
+    for x in rows:
+        unit = "entries" if (x.op == "decode" and x.case.startswith("sparse")) else ""
+        lines.append(
+            f"{x.numel:>11,} {x.case:<12} {x.density:>8.4f} {x.impl:<9} {x.op:<7} "
+            f"{x.seconds * 1e3:>9.3f} {x.elements_per_s / 1e6:>9.1f} {x.gb_per_s:>7.1f} "
+            f"{x.vs_copy:>8.2f} {x.vs_torch:>8.1f}x{' ' + unit if unit else ''}"
+        )
+    return "\n".join(lines)
+
+
+def environment() -> dict[str, object]:
+    cpu = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    return {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "torch": torch.__version__,
+        "numba": numba.__version__,
+        "numpy": np.__version__,
+        "numba_threads": numba.config.NUMBA_NUM_THREADS,
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--sizes", type=int, nargs="+", default=[1_000_000, 25_000_000, 100_000_000]
+    )
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", type=Path, default=RESULTS / "codec.json")
+    args = parser.parse_args(argv)
+    rows = run(args.sizes, args.repeats)
+    print(table(rows))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(
+        json.dumps({"environment": environment(), "rows": [asdict(x) for x in rows]}, indent=1)
+    )
+    print(f"\nsaved {args.out}")
+
+
+if __name__ == "__main__":
+    main()

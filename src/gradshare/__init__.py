@@ -1,0 +1,57 @@
+"""gradshare: threshold-encoded, error-feedback update sharing for data-parallel PyTorch.
+
+The Python home of Deeplearning4j's ``EncodedGradientsAccumulator`` (after Strom, 2015): each
+worker keeps a residual, sends only the entries that crossed a threshold (as signed indices, or a
+2-bit bitmap when too many crossed), the threshold adapts to hold a target sparsity, and every
+replica applies the same decoded sum.
+
+Importing gradshare starts nothing: no CUDA, no numba compilation, no process group.
+"""
+
+from gradshare.accumulator import optimal_buffer_size
+from gradshare.codec import (
+    BITMAP_ENCODING,
+    FLEXIBLE_ENCODING,
+    MessageError,
+    MessageInfo,
+    decode_,
+    encode_bitmap_,
+    encode_sparse_,
+    message_info,
+)
+from gradshare.encoder import Encoder, EncodeStats
+from gradshare.residual import NoResidualProcessing, ResidualClipping, ResidualPostProcessor
+from gradshare.threshold import (
+    AdaptiveThreshold,
+    FixedThreshold,
+    TargetSparsityThreshold,
+    ThresholdAlgorithm,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    # wire format
+    "BITMAP_ENCODING",
+    "FLEXIBLE_ENCODING",
+    "MessageError",
+    "MessageInfo",
+    "decode_",
+    "encode_bitmap_",
+    "encode_sparse_",
+    "message_info",
+    # one worker
+    "EncodeStats",
+    "Encoder",
+    # threshold algorithms
+    "AdaptiveThreshold",
+    "FixedThreshold",
+    "TargetSparsityThreshold",
+    "ThresholdAlgorithm",
+    # residual post-processing
+    "NoResidualProcessing",
+    "ResidualClipping",
+    "ResidualPostProcessor",
+    # sizing
+    "optimal_buffer_size",
+]

@@ -1,0 +1,558 @@
+"""The wire format: threshold encoding of a residual into int32 messages, and decoding back.
+
+Byte-compatible with Deeplearning4j's ``EncodingHandler`` (SPEC §1). A message is a 1-D
+little-endian ``int32`` tensor with a 4-word header ``[K or N, N, float32 bits of t, format]``
+followed by either K signed 1-based indices (sparse, ``FLEXIBLE_ENCODING``) or ``N//16 + 1``
+bitmap words (``BITMAP_ENCODING``, 2 bits per element).
+
+Encoding works **in place** on the residual (only the encoded amount ``t`` leaves it; the
+remainder stays, which is the error feedback of Strom 2015). Decoding **adds** into its target and
+validates the whole message first: a bad message raises :class:`MessageError` and leaves the
+target bit-for-bit untouched.
+
+On CPU, float32 and float64 tensors go through fused numba kernels (:mod:`gradshare._kernels`,
+compiled on first use and cached on disk); CUDA tensors, float16 and bfloat16 go through
+vectorised torch ops with the same results.
+
+Example::
+
+    >>> import torch
+    >>> from gradshare.codec import encode_sparse_, decode_
+    >>> residual = torch.tensor([1.5, 2.5, -3.5])
+    >>> encode_sparse_(residual, 0.5).tolist()
+    [3, 3, 1056964608, 0, 1, 2, -3]
+    >>> residual.tolist()
+    [1.0, 2.0, -3.0]
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = [
+    "BITMAP_ENCODING",
+    "FLEXIBLE_ENCODING",
+    "HEADER_WORDS",
+    "MAX_NUMEL",
+    "MessageError",
+    "MessageInfo",
+    "bitmap_length",
+    "decode_",
+    "encode_bitmap_",
+    "encode_sparse_",
+    "message_info",
+    "sparse_length",
+]
+
+FLEXIBLE_ENCODING = 0
+"""Format id of a sparse message (signed 1-based indices)."""
+BITMAP_ENCODING = 1
+"""Format id of a bitmap message (2 bits per element)."""
+HEADER_WORDS = 4
+MAX_NUMEL = 2**31 - 1
+"""Largest N a message can address: indices are signed int32 ``±(i+1)``."""
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_KERNEL_DTYPES = (torch.float32, torch.float64)
+_FORMAT_NAMES = {FLEXIBLE_ENCODING: "sparse", BITMAP_ENCODING: "bitmap"}
+
+
+class MessageError(ValueError):
+    """A message that is not a valid gradshare/DL4J message for its target."""
+
+
+@dataclass(frozen=True, slots=True)
+class MessageInfo:
+    """What a message's header (and, for a bitmap, its payload) says."""
+
+    format: int
+    """``FLEXIBLE_ENCODING`` or ``BITMAP_ENCODING``."""
+    num_entries: int
+    """Elements the message moves: K for sparse, set 2-bit codes for bitmap."""
+    numel: int
+    """N, the length of the vector it encodes."""
+    threshold: float
+    """t, as the float32 stored in word 2."""
+    nbytes: int
+    """Size on the wire."""
+
+    @property
+    def format_name(self) -> str:
+        return _FORMAT_NAMES[self.format]
+
+
+def sparse_length(num_entries: int) -> int:
+    """Words in a sparse message of ``num_entries`` entries: K + 4."""
+    return num_entries + HEADER_WORDS
+
+
+def bitmap_length(numel: int) -> int:
+    """Words in a bitmap message for N elements: N//16 + 5."""
+    return numel // 16 + 1 + HEADER_WORDS
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def check_vector(x: Any, name: str) -> None:
+    """Raise unless ``x`` is a 1-D contiguous floating tensor that a message can address."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"Expect `{name}` to be a torch.Tensor, got {type(x).__name__}.")
+    if x.dtype not in _FLOATS:
+        raise TypeError(
+            f"Expect `{name}` of dtype float16, bfloat16, float32 or float64, got {x.dtype}: "
+            "messages carry real-valued updates; convert with `.float()`."
+        )
+    if x.dim() != 1:
+        raise ValueError(
+            f"Expect `{name}` to be 1-D, got shape {tuple(x.shape)}: flatten it with `.view(-1)`."
+        )
+    if not x.is_contiguous():
+        raise ValueError(f"Expect `{name}` to be contiguous: call `.contiguous()` first.")
+    if x.numel() > MAX_NUMEL:
+        raise ValueError(
+            f"Expect `{name}` to have fewer than 2**31 elements, got {x.numel()}: "
+            "indices travel as signed int32; split the vector into several encoders."
+        )
+
+
+def float32_threshold(threshold: float) -> float:
+    """Return ``threshold`` rounded to float32 (as the wire stores it), or raise ValueError."""
+    with np.errstate(over="ignore"):
+        t = float(np.float32(threshold))
+    if not (np.isfinite(t) and t > 0):
+        raise ValueError(
+            f"Expect `threshold` finite and > 0 in float32, got {threshold!r}: "
+            "t is the step each sent entry moves by."
+        )
+    return t
+
+
+def _threshold_bits(t: float) -> int:
+    return int(np.float32(t).view(np.int32))
+
+
+def _header(first: int, numel: int, t: float, fmt: int) -> list[int]:
+    return [first, numel, _threshold_bits(t), fmt]
+
+
+def _use_kernels(x: torch.Tensor) -> bool:
+    return x.device.type == "cpu" and x.dtype in _KERNEL_DTYPES
+
+
+_kernels_module: ModuleType | None = None
+_kernel_lock = threading.Lock()
+"""Serialises kernel calls: each already uses every core, and not every numba threading layer
+accepts launches from several threads at once."""
+
+
+def _k() -> ModuleType:
+    global _kernels_module
+    if _kernels_module is None:
+        from gradshare import _kernels
+
+        _kernels_module = _kernels
+    return _kernels_module
+
+
+def _scalar(t: float, x: torch.Tensor) -> Any:
+    return np.float32(t) if x.dtype == torch.float32 else np.float64(t)
+
+
+def find_nonfinite(x: torch.Tensor) -> tuple[int, int]:
+    """Return (number of non-finite elements of a 1-D tensor, index of the first or -1)."""
+    if _use_kernels(x):
+        k = _k()
+        counts = np.zeros(k.num_chunks(x.numel()), np.int64)
+        with _kernel_lock:
+            k.count_nonfinite(x.detach().numpy(), counts)
+        bad = int(counts.sum())
+    else:
+        bad = int((~torch.isfinite(x)).sum())
+    if not bad:
+        return 0, -1
+    return bad, int(torch.nonzero(~torch.isfinite(x))[0, 0])
+
+
+# --------------------------------------------------------------------------- workspaces
+
+
+class Workspace:
+    """Reusable buffers of a two-pass sparse encode: count first, then emit.
+
+    ``scan_`` optionally adds an update into the residual and counts the elements that qualify
+    (``|x| >= t``); nothing else changes, so a caller can still choose the format. ``emit_``
+    then writes the first ``limit`` of them into a message. One workspace serves one residual
+    at a time; :class:`gradshare.Encoder` owns one, the plain codec functions keep one per thread.
+    """
+
+    def __init__(self) -> None:
+        self.count = 0
+        """Qualifying elements found by the last scan."""
+        self.sumsq = 0.0
+        """``sum(r*r)`` of the residual after the last scan, emit or bitmap."""
+        self._t = 0.0
+        self._n = 0
+        self._capacity = 0
+        self._idx: torch.Tensor | None = None
+        self._counts = np.zeros(0, np.int64)
+        self._sums = np.zeros(0, np.float64)
+        self._offsets = np.zeros(0, np.int64)
+        self._cand = np.zeros(0, np.int32)
+
+    def _reserve(self, n: int) -> int:
+        k = _k()
+        nch = k.num_chunks(n)
+        if nch > self._capacity:
+            self._capacity = nch
+            self._counts = np.zeros(nch, np.int64)
+            self._sums = np.zeros(nch, np.float64)
+            self._offsets = np.zeros(nch, np.int64)
+            self._cand = np.zeros(nch * k.CAP, np.int32)
+        return nch
+
+    def scan_(self, residual: torch.Tensor, update: torch.Tensor | None, t: float) -> int:
+        """``residual += update`` (if given); count and remember the elements with ``|x| >= t``."""
+        self._t, self._n = t, residual.numel()
+        if _use_kernels(residual):
+            nch = self._reserve(self._n)
+            r = residual.detach().numpy()
+            u = r if update is None else update.detach().numpy()
+            counts, sums = self._counts[:nch], self._sums[:nch]
+            with _kernel_lock:
+                _k().scan(r, u, update is not None, _scalar(t, residual), counts, sums, self._cand)
+            self.count = int(counts.sum())
+            self.sumsq = float(sums.sum())
+            return self.count
+        if update is not None:
+            residual.add_(update)
+        x = residual.detach().float() if residual.dtype not in _KERNEL_DTYPES else residual.detach()
+        self._idx = torch.nonzero(x.abs() >= t).view(-1)
+        self.count = int(self._idx.numel())
+        self.sumsq = float(x.double().square().sum())
+        return self.count
+
+    def emit_(self, residual: torch.Tensor, limit: int | None = None) -> torch.Tensor:
+        """Encode the first ``limit`` (default all) elements found by the last scan."""
+        t, n = self._t, self._n
+        take = self.count if limit is None else min(self.count, limit)
+        message = torch.empty(sparse_length(take), dtype=torch.int32, device=residual.device)
+        message[:HEADER_WORDS] = torch.tensor(_header(take, n, t, FLEXIBLE_ENCODING))
+        if _use_kernels(residual):
+            nch = _k().num_chunks(n)
+            counts = self._counts[:nch]
+            offsets = self._offsets[:nch]
+            np.cumsum(counts, out=offsets)
+            offsets -= counts
+            dsums = self._sums[:nch]
+            with _kernel_lock:
+                _k().emit_sparse(
+                    residual.detach().numpy(),
+                    _scalar(t, residual),
+                    counts,
+                    offsets,
+                    self._cand,
+                    take,
+                    message.numpy()[HEADER_WORDS:],
+                    dsums,
+                )
+            self.sumsq += float(dsums.sum())
+            return message
+        assert self._idx is not None
+        idx = self._idx[:take]
+        x = residual[idx]
+        xf = x.float() if x.dtype not in _KERNEL_DTYPES else x
+        pos = xf >= t
+        moved = torch.where(pos, xf - t, xf + t)
+        residual[idx] = moved.to(residual.dtype)
+        message[HEADER_WORDS:] = torch.where(pos, idx + 1, -(idx + 1)).to(torch.int32)
+        self.sumsq += float(moved.double().square().sum() - xf.double().square().sum())
+        return message
+
+    def bitmap_(
+        self, residual: torch.Tensor, t: float, update: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, int]:
+        """``residual += update`` (if given), bitmap-encode it in place; return message, sent."""
+        n = residual.numel()
+        message = torch.empty(bitmap_length(n), dtype=torch.int32, device=residual.device)
+        message[:HEADER_WORDS] = torch.tensor(_header(n, n, t, BITMAP_ENCODING))
+        if _use_kernels(residual):
+            nch = self._reserve(n)
+            words = message.numpy()[HEADER_WORDS:].view(np.uint32)
+            words[-1] = 0
+            counts, sums = self._counts[:nch], self._sums[:nch]
+            r = residual.detach().numpy()
+            u = r if update is None else update.detach().numpy()
+            with _kernel_lock:
+                _k().encode_bitmap(
+                    r, u, update is not None, _scalar(t, residual), words, counts, sums
+                )
+            self.sumsq = float(sums.sum())
+            return message, int(counts.sum())
+        if update is not None:
+            residual.add_(update)
+        payload, sent, sumsq = _torch_bitmap_(residual, t)
+        message[HEADER_WORDS:] = payload
+        self.sumsq = sumsq
+        return message, sent
+
+
+def _torch_bitmap_(residual: torch.Tensor, t: float) -> tuple[torch.Tensor, int, float]:
+    n = residual.numel()
+    x = residual.detach()
+    x = x.float() if x.dtype not in _KERNEL_DTYPES else x
+    half = t / 2
+    a = x.abs()
+    mag = a >= t
+    neg = x < 0
+    hneg = ~mag & neg & (a >= half)
+    sgn = (mag & neg) | hneg
+    step = torch.tensor(t, dtype=x.dtype, device=x.device)
+    delta = torch.where(mag, torch.where(neg, -step, step), torch.where(hneg, -step / 2, 0 * step))
+    moved = x - delta
+    residual.copy_(moved)
+    nwords = n // 16 + 1
+    codes = torch.zeros(nwords * 16, dtype=torch.int64, device=x.device)
+    codes[:n] = mag.long() | (sgn.long() << 16)
+    shifts = torch.arange(16, device=x.device, dtype=torch.int64)
+    words = (codes.view(nwords, 16) << shifts).sum(dim=1)
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    sent = int((mag | hneg).sum())
+    return words, sent, float(moved.double().square().sum())
+
+
+_local = threading.local()
+
+
+def _workspace() -> Workspace:
+    ws = getattr(_local, "workspace", None)
+    if ws is None:
+        ws = _local.workspace = Workspace()
+    return ws
+
+
+# --------------------------------------------------------------------------- encode
+
+
+def check_boundary(boundary: int | None) -> None:
+    if boundary is not None and (isinstance(boundary, bool) or not isinstance(boundary, int)):
+        raise TypeError(f"Expect `boundary` to be an int or None, got {type(boundary).__name__}.")
+    if boundary is not None and boundary < 1:
+        raise ValueError(
+            f"Expect `boundary` >= 1 or None, got {boundary}: it caps the entries of a message."
+        )
+
+
+def encode_sparse_(
+    residual: torch.Tensor, threshold: float, boundary: int | None = None
+) -> torch.Tensor | None:
+    """Sparse-encode ``residual`` in place; return the message, or None if fewer than 2 qualify.
+
+    Every element with ``x >= t`` is sent as ``+(i+1)`` and moved by ``-t``; every element with
+    ``x <= -t`` as ``-(i+1)`` and moved by ``+t``. With ``boundary`` B only the first B
+    qualifying elements (ascending index) are sent and moved. When fewer than 2 elements qualify
+    nothing is sent and ``residual`` is untouched (DL4J's rule).
+
+    Args:
+        residual: 1-D contiguous float tensor, changed in place.
+        threshold: t > 0; rounded to float32 first, as the wire stores it.
+        boundary: the most entries a message may carry, or None for no cap.
+
+    Returns:
+        An int32 message of ``K + 4`` words on ``residual``'s device, or None.
+    """
+    check_vector(residual, "residual")
+    t = float32_threshold(threshold)
+    check_boundary(boundary)
+    ws = _workspace()
+    if ws.scan_(residual, None, t) < 2:
+        return None
+    return ws.emit_(residual, boundary)
+
+
+def encode_bitmap_(residual: torch.Tensor, threshold: float) -> torch.Tensor:
+    """Bitmap-encode ``residual`` in place and return the ``N//16 + 5``-word message.
+
+    For each element v: if ``|v| >= t`` it is sent as ``±t`` and moved toward zero by t; else if
+    ``v <= -t/2`` it is sent as ``-t/2`` and ``t/2`` is added; else nothing (positive values in
+    ``[t/2, t)`` stay: DL4J's asymmetry, kept so that messages match bit for bit).
+    """
+    check_vector(residual, "residual")
+    t = float32_threshold(threshold)
+    return _workspace().bitmap_(residual, t)[0]
+
+
+# --------------------------------------------------------------------------- decode
+
+
+def _check_message(message: Any) -> list[int]:
+    if not isinstance(message, torch.Tensor):
+        raise MessageError(f"Expect a message tensor, got {type(message).__name__}.")
+    if message.dtype != torch.int32 or message.dim() != 1 or not message.is_contiguous():
+        raise MessageError(
+            "Expect a message to be a 1-D contiguous int32 tensor, got "
+            f"dtype {message.dtype} and shape {tuple(message.shape)}."
+        )
+    if message.numel() < HEADER_WORDS:
+        raise MessageError(
+            f"Expect a message of at least {HEADER_WORDS} header words, got {message.numel()}."
+        )
+    return [int(v) for v in message[:HEADER_WORDS].tolist()]
+
+
+def _parse_header(header: list[int], length: int) -> tuple[int, int, float]:
+    """Return (format, entries-or-N, t) after checking the header against the length."""
+    first, numel, bits, fmt = header
+    if fmt not in _FORMAT_NAMES:
+        raise MessageError(
+            f"Unknown format id {fmt} in word 3: expect {FLEXIBLE_ENCODING} (sparse) "
+            f"or {BITMAP_ENCODING} (bitmap)."
+        )
+    t = float(np.int32(bits).view(np.float32))
+    if not (np.isfinite(t) and t > 0):
+        raise MessageError(f"Expect a finite threshold > 0 in word 2, got {t!r} (bits {bits}).")
+    if numel < 1:
+        raise MessageError(f"Expect N >= 1 in word 1, got {numel}.")
+    if fmt == FLEXIBLE_ENCODING:
+        if first < 0 or sparse_length(first) != length:
+            raise MessageError(
+                f"Sparse header says K = {first} entries (K + 4 = {first + HEADER_WORDS} words),"
+                f" but the message has {length} words."
+            )
+    else:
+        if first != numel:
+            raise MessageError(f"Bitmap header words 0 and 1 must both be N, got {first}, {numel}.")
+        if bitmap_length(numel) != length:
+            raise MessageError(
+                f"Bitmap for N = {numel} has N//16 + 5 = {bitmap_length(numel)} words, "
+                f"got {length}."
+            )
+    return fmt, first, t
+
+
+def message_info(message: torch.Tensor) -> MessageInfo:
+    """Read a message's header (and count a bitmap's entries) after checking it is well formed."""
+    header = _check_message(message)
+    fmt, first, t = _parse_header(header, message.numel())
+    numel = header[1]
+    if fmt == FLEXIBLE_ENCODING:
+        entries = first
+    else:
+        words = message[HEADER_WORDS:].to(torch.int64) & 0xFFFFFFFF
+        sent = (words | (words >> 16)) & 0xFFFF
+        entries = int(((sent.unsqueeze(1) >> torch.arange(16, device=sent.device)) & 1).sum())
+    return MessageInfo(fmt, entries, numel, t, message.numel() * 4)
+
+
+def _fault_text(entries: torch.Tensor, k: int, numel: int) -> str:
+    e = int(entries[k])
+    if e == 0:
+        return f"entry {k} is 0; entries are ±(i+1), never 0"
+    if abs(e) > numel:
+        return f"entry {k} is {e}, outside ±1..±{numel} (N = {numel})"
+    return (
+        f"entry {k} is {e} after {int(entries[k - 1])}: entries must be strictly ascending "
+        "in |index|"
+    )
+
+
+def _first_bad_sparse(entries: torch.Tensor, numel: int) -> int:
+    """Position of the first invalid sparse entry, or -1."""
+    if entries.numel() == 0:
+        return -1
+    if entries.device.type == "cpu":
+        k = _k()
+        bad = np.empty(k.num_chunks(entries.numel()), np.int64)
+        with _kernel_lock:
+            k.first_bad_entry(entries.numpy(), numel, bad)
+        hits = bad[bad >= 0]
+        return int(hits[0]) if hits.size else -1
+    a = entries.long().abs()
+    prev = torch.cat([a.new_zeros(1), a[:-1]])
+    faults = torch.nonzero((a == 0) | (a > numel) | (a <= prev))
+    return int(faults[0, 0]) if faults.numel() else -1
+
+
+def _check_bitmap_tail(words: torch.Tensor, numel: int) -> None:
+    used = numel % 16
+    last = int(words[-1]) & 0xFFFFFFFF
+    allowed = ((1 << used) - 1) | (((1 << used) - 1) << 16)
+    if last & ~allowed:
+        raise MessageError(
+            f"Bitmap word {HEADER_WORDS + numel // 16} sets bits for elements at or past N = "
+            f"{numel}: only the low {used} magnitude and sign bits may be set."
+        )
+
+
+def decode_(message: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Add the decoded ``message`` into ``target`` in place and return ``target``.
+
+    The message is validated whole before any element is written: known format id, header
+    consistent with the length, N equal to ``target``'s length, threshold finite and > 0, every
+    sparse entry in ±1..±N, non-zero and strictly ascending, no bitmap bit past N. Any fault
+    raises :class:`MessageError` naming it and ``target`` is left bit-for-bit unchanged.
+    Decoding never zeroes ``target``: decoding a message twice adds it twice.
+    """
+    check_vector(target, "target")
+    if isinstance(message, torch.Tensor) and message.device != target.device:
+        raise ValueError(
+            f"Expect the message and `target` on one device, got {message.device} and "
+            f"{target.device}: move the message with `.to(target.device)`."
+        )
+    header = _check_message(message)
+    fmt, _, t = _parse_header(header, message.numel())
+    numel = target.numel()
+    if header[1] != numel:
+        raise MessageError(
+            f"Message encodes N = {header[1]} elements, but `target` has {numel}: "
+            "it was made for another vector."
+        )
+    payload = message[HEADER_WORDS:]
+    if fmt == FLEXIBLE_ENCODING:
+        k = _first_bad_sparse(payload, numel)
+        if k >= 0:
+            raise MessageError("Invalid sparse message: " + _fault_text(payload, k, numel) + ".")
+        _apply_sparse(payload, t, target)
+    else:
+        _check_bitmap_tail(payload, numel)
+        _apply_bitmap(payload, t, target)
+    return target
+
+
+def _apply_sparse(entries: torch.Tensor, t: float, target: torch.Tensor) -> None:
+    if entries.numel() == 0:
+        return
+    if _use_kernels(target):
+        with _kernel_lock:
+            _k().decode_sparse(entries.numpy(), _scalar(t, target), target.detach().numpy())
+        return
+    e = entries.long()
+    idx = e.abs() - 1
+    cur = target[idx]
+    curf = cur.float() if cur.dtype not in _KERNEL_DTYPES else cur
+    target[idx] = torch.where(e > 0, curf + t, curf - t).to(target.dtype)
+
+
+def _apply_bitmap(words: torch.Tensor, t: float, target: torch.Tensor) -> None:
+    if _use_kernels(target):
+        with _kernel_lock:
+            _k().decode_bitmap(
+                words.numpy().view(np.uint32), _scalar(t, target), target.detach().numpy()
+            )
+        return
+    n = target.numel()
+    w = words.to(torch.int64) & 0xFFFFFFFF
+    bits = (w.unsqueeze(1) >> torch.arange(32, device=w.device)) & 1
+    mag = bits[:, :16].reshape(-1)[:n].bool()
+    sgn = bits[:, 16:].reshape(-1)[:n].bool()
+    cur = target.detach()
+    curf = cur.float() if cur.dtype not in _KERNEL_DTYPES else cur
+    step = torch.tensor(t, dtype=curf.dtype, device=curf.device)
+    vals = torch.where(mag, torch.where(sgn, -step, step), torch.where(sgn, -step / 2, 0 * step))
+    target.copy_((curf + vals).to(target.dtype))

@@ -1,0 +1,229 @@
+"""One worker's encoder: residual + threshold algorithm + format choice + stats (SPEC §4).
+
+The port of DL4J's ``EncodingHandler``, with two deliberate improvements: the format (sparse or
+bitmap) is chosen from the count *before* the residual is touched, so no update is lost on a
+switch, and a configured ``boundary`` is honoured.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from gradshare import codec
+from gradshare.residual import NoResidualProcessing, ResidualPostProcessor
+from gradshare.threshold import AdaptiveThreshold, ThresholdAlgorithm
+
+__all__ = ["EncodeStats", "Encoder"]
+
+
+@dataclass(frozen=True, slots=True)
+class EncodeStats:
+    """What one :meth:`Encoder.encode` call did."""
+
+    iteration: int
+    threshold: float
+    """t used for this message (float32-rounded)."""
+    format: str | None
+    """``"sparse"``, ``"bitmap"``, or None when nothing was sent."""
+    entries: int
+    """Elements the message moves."""
+    density: float
+    """``entries / numel``: the kept fraction."""
+    message_bytes: int
+    """Bytes on the wire (0 when nothing was sent)."""
+    dense_bytes: int
+    """Bytes of the same update sent dense in float32."""
+    clipped: float
+    """L1 mass the post-processor dropped from the residual this step."""
+    residual_norm: float
+    """L2 norm of the residual after encoding and post-processing."""
+
+    @property
+    def compression_ratio(self) -> float:
+        """Dense bytes / sent bytes (``inf`` when nothing was sent)."""
+        return self.dense_bytes / self.message_bytes if self.message_bytes else math.inf
+
+
+class Encoder:
+    """Turn a stream of updates into threshold-encoded messages, keeping what is not sent.
+
+    Each call of :meth:`encode`:
+
+    1. checks the update is finite (else raises, residual untouched);
+    2. asks the threshold algorithm for t, given the last message's threshold and sparsity;
+    3. adds the update into the float32 residual and counts the elements with ``|x| >= t``
+       in the same pass;
+    4. picks the format from that count, DL4J's cut-off: a bitmap when ``K + 4 >= N // 16``
+       (K capped by ``boundary``), else sparse; no message when fewer than 2 qualify;
+    5. encodes in place (only t per sent element leaves the residual) and post-processes.
+
+    The conservation law holds at every step: the sum of all updates equals the sum of all
+    decoded messages plus the residual plus the clipped mass, to float rounding.
+
+    Args:
+        threshold: the threshold algorithm (default :class:`AdaptiveThreshold`). It is owned by
+            this encoder: pass a fresh one per worker.
+        post_processor: residual post-processing after each message (default none).
+        boundary: the most entries a sparse message may carry, or None.
+
+    Example::
+
+        >>> import torch
+        >>> from gradshare import Encoder, FixedThreshold, decode_
+        >>> enc = Encoder(FixedThreshold(0.5))
+        >>> msg = enc.encode(torch.tensor([1.5, 2.5, -3.5]), iteration=0)
+        >>> msg.tolist(), enc.residual.tolist()
+        ([3, 3, 1056964608, 0, 1, 2, -3], [1.0, 2.0, -3.0])
+    """
+
+    def __init__(
+        self,
+        threshold: ThresholdAlgorithm | None = None,
+        post_processor: ResidualPostProcessor | None = None,
+        boundary: int | None = None,
+    ) -> None:
+        codec.check_boundary(boundary)
+        if threshold is not None and not isinstance(threshold, ThresholdAlgorithm):
+            raise TypeError(
+                f"Expect `threshold` to be a ThresholdAlgorithm, got {type(threshold).__name__}:"
+                " wrap a number as FixedThreshold(t)."
+            )
+        self.algorithm: ThresholdAlgorithm = (
+            threshold if threshold is not None else AdaptiveThreshold()
+        )
+        self.post_processor: ResidualPostProcessor = post_processor or NoResidualProcessing()
+        self.boundary = boundary
+        self.residual: torch.Tensor | None = None
+        """The float32 residual: what was added and not yet sent (None before the first call)."""
+        self.last_stats: EncodeStats | None = None
+        self._last: tuple[float | None, bool | None, float | None] = (None, None, None)
+        self._staging: torch.Tensor | None = None
+        self._ws = codec.Workspace()
+
+    # ------------------------------------------------------------------ encode
+
+    def _prepare(self, update: torch.Tensor) -> torch.Tensor:
+        """Return ``update`` as a flat float32 tensor on the residual's device."""
+        if not isinstance(update, torch.Tensor):
+            raise TypeError(f"Expect `update` to be a torch.Tensor, got {type(update).__name__}.")
+        flat = update.detach().reshape(-1)
+        codec.check_vector(flat, "update")
+        if self.residual is None:
+            self.residual = torch.zeros(flat.numel(), dtype=torch.float32, device=flat.device)
+        elif flat.numel() != self.residual.numel():
+            raise ValueError(
+                f"Expect `update` of {self.residual.numel()} elements (this encoder's residual), "
+                f"got {flat.numel()}: use one encoder per parameter vector."
+            )
+        if flat.dtype == torch.float32 and flat.device == self.residual.device:
+            return flat
+        if self._staging is None:
+            self._staging = torch.empty_like(self.residual)
+        return self._staging.copy_(flat)
+
+    def encode(self, update: torch.Tensor, iteration: int, epoch: int = 0) -> torch.Tensor | None:
+        """Add ``update`` into the residual and return this step's message (or None).
+
+        Args:
+            update: any-shape floating tensor with as many elements as the residual; the first
+                call fixes that size and the device.
+            iteration: the step number (drives the threshold algorithm and clipping frequency).
+            epoch: the epoch number, passed through to the algorithms.
+
+        Returns:
+            An int32 message tensor, or None when fewer than 2 elements crossed the threshold.
+
+        Raises:
+            ValueError: the update has non-finite values (the residual is left unchanged), or
+                the wrong number of elements.
+        """
+        u = self._prepare(update)
+        _check_finite(u)
+        residual = self.residual
+        assert residual is not None
+        n = residual.numel()
+        t = codec.float32_threshold(
+            self.algorithm.calculate_threshold(iteration, epoch, *self._last)
+        )
+        count = self._ws.scan_(residual, u, t)
+        limit = count if self.boundary is None else min(count, self.boundary)
+        message: torch.Tensor | None
+        if codec.sparse_length(limit) >= n // 16:
+            message, entries = self._ws.bitmap_(residual, t)
+            fmt: str | None = "bitmap"
+            self._last = (t, True, None)
+        else:
+            message = self._ws.emit_(residual, limit) if count >= 2 else None
+            entries = limit if message is not None else 0
+            fmt = "sparse" if message is not None else None
+            self._last = (t, False, entries / n)
+        clipped = float(self.post_processor.process_(iteration, epoch, t, residual))
+        sumsq = self._ws.sumsq if clipped == 0 else float(residual.double().square().sum())
+        self.last_stats = EncodeStats(
+            iteration=iteration,
+            threshold=t,
+            format=fmt,
+            entries=entries,
+            density=entries / n,
+            message_bytes=0 if message is None else message.numel() * 4,
+            dense_bytes=n * 4,
+            clipped=clipped,
+            residual_norm=math.sqrt(max(sumsq, 0.0)),
+        )
+        return message
+
+    # ------------------------------------------------------------------ checkpointing
+
+    def state_dict(self) -> dict[str, Any]:
+        """Residual, threshold-algorithm state and the last message's feedback."""
+        return {
+            "residual": None if self.residual is None else self.residual.detach().clone(),
+            "algorithm": self.algorithm.state_dict(),
+            "post_processor": self.post_processor.state_dict(),
+            "boundary": self.boundary,
+            "last": list(self._last),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict`; on any mismatch raise and change nothing."""
+        missing = {"residual", "algorithm", "post_processor", "boundary", "last"} - set(state)
+        if missing:
+            raise ValueError(f"Encoder state is missing {sorted(missing)}: is it an Encoder's?")
+        residual = state["residual"]
+        if residual is not None:
+            if not isinstance(residual, torch.Tensor) or residual.dim() != 1:
+                raise ValueError("Expect `residual` in the state to be a 1-D tensor.")
+            if self.residual is not None and residual.numel() != self.residual.numel():
+                raise ValueError(
+                    f"Saved residual has {residual.numel()} elements, this encoder's has "
+                    f"{self.residual.numel()}: the checkpoint is of another model."
+                )
+        codec.check_boundary(state["boundary"])
+        probe_alg = self.algorithm.clone()
+        probe_alg.load_state_dict(state["algorithm"])
+        self.post_processor.load_state_dict(state["post_processor"])
+        self.algorithm.load_state_dict(state["algorithm"])
+        self.boundary = state["boundary"]
+        last = state["last"]
+        self._last = (last[0], last[1], last[2])
+        if residual is None:
+            self.residual = None
+        elif self.residual is None:
+            self.residual = residual.detach().to(torch.float32).clone()
+        else:
+            self.residual.copy_(residual)
+
+
+def _check_finite(u: torch.Tensor) -> None:
+    """Raise ValueError naming how many values of ``u`` are non-finite and where the first is."""
+    bad, first = codec.find_nonfinite(u)
+    if bad:
+        raise ValueError(
+            f"`update` has {bad} non-finite value(s), the first at flat index {first} "
+            f"({float(u[first])}): nothing was added to the residual. Check the loss or lower "
+            "the learning rate."
+        )

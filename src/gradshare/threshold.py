@@ -1,0 +1,274 @@
+"""Threshold algorithms: how t moves from message to message (SPEC §2).
+
+Ports of DL4J's ``AdaptiveThresholdAlgorithm``, ``TargetSparsityThresholdAlgorithm`` and
+``FixedThresholdAlgorithm``, with their reducer (:meth:`ThresholdAlgorithm.average`). Every
+algorithm answers ``calculate_threshold(iteration, epoch, last_threshold, last_was_dense,
+last_sparsity)``; the three ``last_*`` are None on the first call, and ``last_sparsity`` is None
+after a dense (bitmap) message. Sparsity is entries sent / N.
+"""
+
+from __future__ import annotations
+
+import abc
+import copy
+import math
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+__all__ = [
+    "DEFAULT_DECAY",
+    "AdaptiveThreshold",
+    "FixedThreshold",
+    "TargetSparsityThreshold",
+    "ThresholdAlgorithm",
+]
+
+DEFAULT_DECAY = 0.5 ** (1 / 20)
+"""DL4J's decay: t halves (or doubles) over 20 steps outside the target band."""
+DENSE_SPARSITY = 1 / 16
+"""The sparsity assumed after a bitmap message, which carries no count of its own."""
+
+
+def _positive(name: str, value: float, why: str) -> float:
+    value = float(value)
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"Expect `{name}` finite and > 0, got {value!r}: {why}")
+    return value
+
+
+def _decay(value: float) -> float:
+    value = float(value)
+    if not 0.5 <= value < 1:
+        raise ValueError(
+            f"Expect `decay` in [0.5, 1), got {value!r}: a decay of 1 or more never lowers "
+            "the threshold, one under 0.5 makes it jump by more than 2x a step."
+        )
+    return value
+
+
+class ThresholdAlgorithm(abc.ABC):
+    """Decide the threshold t of the next message from how the last one went.
+
+    Subclasses keep their settings in ``_settings`` and their state in ``_state``; one
+    instance belongs to one worker (use :meth:`clone` to hand out copies).
+    """
+
+    _settings_names: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self) -> None:
+        self.last_threshold: float | None = None
+        """The threshold this algorithm returned last (None before the first call)."""
+        self.last_sparsity: float | None = None
+        """The sparsity it last acted on (None before one was known)."""
+
+    @abc.abstractmethod
+    def calculate_threshold(
+        self,
+        iteration: int,
+        epoch: int,
+        last_threshold: float | None,
+        last_was_dense: bool | None,
+        last_sparsity: float | None,
+    ) -> float:
+        """Return the threshold for the message of ``iteration``."""
+
+    def settings(self) -> dict[str, float]:
+        return {name: getattr(self, name) for name in self._settings_names}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Settings and state, enough for a restored algorithm to continue identically."""
+        return {
+            "class": type(self).__name__,
+            "settings": self.settings(),
+            "last_threshold": self.last_threshold,
+            "last_sparsity": self.last_sparsity,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict` of the same class and settings; else raise ValueError."""
+        missing = {"class", "settings", "last_threshold", "last_sparsity"} - set(state)
+        if missing:
+            raise ValueError(f"Threshold state is missing {sorted(missing)}.")
+        if state["class"] != type(self).__name__:
+            raise ValueError(
+                f"Threshold state is of {state['class']}, this algorithm is "
+                f"{type(self).__name__}: build the same algorithm before loading."
+            )
+        if state["settings"] != self.settings():
+            raise ValueError(
+                f"Threshold state has settings {state['settings']}, this algorithm has "
+                f"{self.settings()}: build it with the saved settings."
+            )
+        self.last_threshold = state["last_threshold"]
+        self.last_sparsity = state["last_sparsity"]
+
+    def clone(self) -> ThresholdAlgorithm:
+        """A new, independent algorithm with the same settings and state."""
+        return copy.deepcopy(self)
+
+    @staticmethod
+    def average(algorithms: Sequence[ThresholdAlgorithm]) -> ThresholdAlgorithm:
+        """DL4J's reducer: one algorithm whose last threshold and sparsity are the workers' means.
+
+        A new epoch (or a restarted run) then resumes from where the workers were.
+        """
+        if not algorithms:
+            raise ValueError("Expect at least one algorithm to average, got none.")
+        first = algorithms[0]
+        for other in algorithms[1:]:
+            if type(other) is not type(first) or other.settings() != first.settings():
+                raise ValueError(
+                    f"Cannot average {first!r} with {other!r}: average algorithms of one "
+                    "class and one setting only."
+                )
+        out = first.clone()
+        out.last_threshold = _mean([a.last_threshold for a in algorithms])
+        out.last_sparsity = _mean([a.last_sparsity for a in algorithms])
+        return out
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.settings().items())
+        return f"{type(self).__name__}({args})"
+
+
+def _mean(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return sum(known) / len(known) if known else None
+
+
+class _BandThreshold(ThresholdAlgorithm):
+    """Shared rule: lower t (x decay) below the band, raise it (/ decay) above it."""
+
+    initial: float
+    decay: float
+
+    def _band(self) -> tuple[float, float]:
+        raise NotImplementedError
+
+    def calculate_threshold(
+        self,
+        iteration: int,
+        epoch: int,
+        last_threshold: float | None,
+        last_was_dense: bool | None,
+        last_sparsity: float | None,
+    ) -> float:
+        if last_threshold is None and self.last_threshold is None:
+            self.last_threshold = self.initial
+            return self.initial
+        base = last_threshold if last_threshold is not None else self.last_threshold
+        assert base is not None
+        if last_sparsity is not None:
+            s: float | None = last_sparsity
+        elif last_was_dense:
+            s = DENSE_SPARSITY
+        else:
+            s = self.last_sparsity
+        low, high = self._band()
+        if s is None:
+            t = base
+        elif s < low:
+            t = base * self.decay
+        elif s > high:
+            t = base / self.decay
+        else:
+            t = base
+        self.last_threshold, self.last_sparsity = t, s
+        return t
+
+
+class AdaptiveThreshold(_BandThreshold):
+    """Adapt t to keep the sparsity of messages inside ``[min_sparsity, max_sparsity]``.
+
+    The default everywhere. Below the band t is multiplied by ``decay``, above it divided by it,
+    inside it kept. After a bitmap message the sparsity is taken as 1/16 (too dense: t rises).
+
+    Tuning: ``initial`` only matters for the first steps (it adapts by 2x per 20 steps with the
+    default decay); pick it near the typical magnitude of a good update element. Widen the band
+    to let t rest more, narrow it to hold the wire budget tighter.
+
+    Args:
+        initial: the first threshold, > 0.
+        min_sparsity: lower edge of the target band, > 0.
+        max_sparsity: upper edge, >= ``min_sparsity``.
+        decay: the factor per step, in [0.5, 1).
+    """
+
+    _settings_names = ("initial", "min_sparsity", "max_sparsity", "decay")
+
+    def __init__(
+        self,
+        initial: float = 1e-4,
+        min_sparsity: float = 1e-4,
+        max_sparsity: float = 1e-2,
+        decay: float = DEFAULT_DECAY,
+    ) -> None:
+        super().__init__()
+        self.initial = _positive("initial", initial, "it is the first threshold.")
+        self.min_sparsity = _positive("min_sparsity", min_sparsity, "it is a fraction sent.")
+        self.max_sparsity = _positive("max_sparsity", max_sparsity, "it is a fraction sent.")
+        if self.min_sparsity > self.max_sparsity:
+            raise ValueError(
+                f"Expect `min_sparsity` <= `max_sparsity`, got {min_sparsity!r} > "
+                f"{max_sparsity!r}: swap them."
+            )
+        self.decay = _decay(decay)
+
+    def _band(self) -> tuple[float, float]:
+        return self.min_sparsity, self.max_sparsity
+
+
+class TargetSparsityThreshold(_BandThreshold):
+    """Adapt t toward one target sparsity: below it x ``decay``, above it / ``decay``.
+
+    Args:
+        initial: the first threshold, > 0.
+        target: the sparsity to hold, in (0, 1/16) (past 1/16 a bitmap is smaller anyway).
+        decay: the factor per step, in [0.5, 1).
+    """
+
+    _settings_names = ("initial", "target", "decay")
+
+    def __init__(
+        self, initial: float = 1e-4, target: float = 1e-3, decay: float = DEFAULT_DECAY
+    ) -> None:
+        super().__init__()
+        self.initial = _positive("initial", initial, "it is the first threshold.")
+        target = float(target)
+        if not 0 < target < DENSE_SPARSITY:
+            raise ValueError(
+                f"Expect `target` in (0, 1/16), got {target!r}: at 1/16 and above every "
+                "message is a bitmap."
+            )
+        self.target = target
+        self.decay = _decay(decay)
+
+    def _band(self) -> tuple[float, float]:
+        return self.target, self.target
+
+
+class FixedThreshold(ThresholdAlgorithm):
+    """Always the same threshold.
+
+    Args:
+        threshold: t, > 0.
+    """
+
+    _settings_names = ("threshold",)
+
+    def __init__(self, threshold: float) -> None:
+        super().__init__()
+        self.threshold = _positive("threshold", threshold, "each sent entry moves by t.")
+
+    def calculate_threshold(
+        self,
+        iteration: int,
+        epoch: int,
+        last_threshold: float | None,
+        last_was_dense: bool | None,
+        last_sparsity: float | None,
+    ) -> float:
+        self.last_threshold = self.threshold
+        if last_sparsity is not None:
+            self.last_sparsity = last_sparsity
+        return self.threshold

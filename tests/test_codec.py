@@ -1,0 +1,392 @@
+"""The wire format (SPEC §1): DL4J's vectors, round trips, validation, kernels vs torch."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gradshare import codec
+from gradshare.codec import (
+    BITMAP_ENCODING,
+    FLEXIBLE_ENCODING,
+    MessageError,
+    decode_,
+    encode_bitmap_,
+    encode_sparse_,
+    message_info,
+)
+
+FLOATS = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+
+
+@contextlib.contextmanager
+def torch_path() -> Iterator[None]:
+    """Route every codec call through the vectorised torch ops (the CUDA path), even on CPU."""
+    saved = codec._use_kernels
+    codec._use_kernels = lambda x: False  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        codec._use_kernels = saved  # type: ignore[assignment]
+
+
+def bits(x: torch.Tensor) -> torch.Tensor:
+    """The raw bit patterns, so that -0.0 != 0.0 and NaN == NaN."""
+    return x.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()])
+
+
+class TestDL4JVectors:
+    """The exact vectors of DL4J's own tests (SPEC §1): messages must match word for word."""
+
+    def test_sparse_vector_and_residual(self) -> None:
+        r = torch.tensor([1.5, 2.5, -3.5])
+        msg = encode_sparse_(r, 0.5)
+        assert msg is not None
+        assert msg.dtype == torch.int32
+        assert msg.tolist() == [3, 3, 1056964608, 0, 1, 2, -3]
+        assert r.tolist() == [1.0, 2.0, -3.0]
+        decode_(msg, r)
+        assert r.tolist() == [1.5, 2.5, -3.5]
+
+    def test_bitmap_vector_word_655372(self) -> None:
+        r = torch.tensor([0, -6e-4, 1e-3, -1e-3, 0, 0], dtype=torch.float32)
+        msg = encode_bitmap_(r, 1e-3)
+        assert msg.tolist() == [6, 6, 981668463, 1, 655372]
+        expected = torch.tensor([0, -6e-4, 1e-3, -1e-3, 0, 0]) - torch.tensor(
+            [0, -5e-4, 1e-3, -1e-3, 0, 0]
+        )
+        torch.testing.assert_close(r, expected, rtol=0, atol=1e-9)
+        assert r[1].item() == pytest.approx(-1e-4, abs=1e-9)
+        out = decode_(msg, torch.zeros(6))
+        t = float(np.float32(1e-3))
+        assert out.tolist() == [0, -t / 2, t, -t, 0, 0]
+
+    def test_boundary_ten_ones(self) -> None:
+        r = torch.ones(10)
+        msg = encode_sparse_(r, 1.0, boundary=3)
+        assert msg is not None and msg.numel() == 7
+        assert r.sum().item() == 7
+        assert msg[4:].tolist() == [1, 2, 3]
+
+    def test_boundary_thousand_ones(self) -> None:
+        r = torch.ones(1000)
+        msg = encode_sparse_(r, 1.0, boundary=100)
+        assert msg is not None and msg.numel() == 104
+        assert r.sum().item() == 900
+
+    def test_below_threshold_sends_nothing(self) -> None:
+        r = torch.tensor([1e-4, -1e-4, 0, 0, 1e-4, -1e-4])
+        before = r.clone()
+        assert encode_sparse_(r, 1e-3) is None
+        assert torch.equal(bits(r), bits(before))
+
+    def test_one_qualifying_element_sends_nothing(self) -> None:
+        """DL4J's rule: fewer than 2 qualifying elements -> no message, residual untouched."""
+        r = torch.tensor([0.0, 2.0, 0.0])
+        assert encode_sparse_(r, 1.0) is None
+        assert r.tolist() == [0.0, 2.0, 0.0]
+
+    @pytest.mark.parametrize("n,words", [(15, 5), (31, 6), (32, 7), (16, 6)])
+    def test_bitmap_lengths(self, n: int, words: int) -> None:
+        assert encode_bitmap_(torch.zeros(n), 0.1).numel() == words
+        assert codec.bitmap_length(n) == words
+
+    def test_threshold_rounded_to_float32(self) -> None:
+        r = torch.tensor([1e-3, 2e-3, 2e-3], dtype=torch.float64)
+        msg = encode_sparse_(r, 1e-3)
+        assert msg is not None and msg[2].item() == 981668463
+        t = float(np.float32(1e-3))
+        assert t > 1e-3 and message_info(msg).threshold == t
+        assert msg[4:].tolist() == [2, 3]  # 1e-3 itself is below float32(1e-3)
+        assert r.tolist() == [1e-3, 2e-3 - t, 2e-3 - t]
+
+    def test_only_t_moves(self) -> None:
+        """Sparse encoding subtracts t, not the value: the remainder stays."""
+        r = torch.tensor([3.25, -2.75, 0.5, 1.0])
+        msg = encode_sparse_(r, 1.0)
+        assert msg is not None and msg[4:].tolist() == [1, -2, 4]
+        assert r.tolist() == [2.25, -1.75, 0.5, 0.0]
+
+    def test_bitmap_asymmetry(self) -> None:
+        """Positive values in [t/2, t) stay; negative ones in (-t, -t/2] go as -t/2."""
+        r = torch.tensor([0.75, -0.75, 0.25, -0.25, 1.0, -1.0, 2.5, -2.5])
+        msg = encode_bitmap_(r, 1.0)
+        assert r.tolist() == [0.75, -0.25, 0.25, -0.25, 0.0, 0.0, 1.5, -1.5]
+        out = decode_(msg, torch.zeros(8))
+        assert out.tolist() == [0.0, -0.5, 0.0, 0.0, 1.0, -1.0, 1.0, -1.0]
+        assert message_info(msg).num_entries == 5
+
+
+class TestDecodeAdds:
+    def test_decoding_twice_adds_twice(self) -> None:
+        r = torch.tensor([1.5, 2.5, -3.5])
+        msg = encode_sparse_(r, 0.5)
+        assert msg is not None
+        target = torch.full((3,), 10.0)
+        decode_(msg, target)
+        decode_(msg, target)
+        assert target.tolist() == [11.0, 11.0, 9.0]
+
+    def test_message_info(self) -> None:
+        msg = encode_sparse_(torch.ones(1000), 1.0, boundary=100)
+        assert msg is not None
+        info = message_info(msg)
+        assert (info.format, info.num_entries, info.numel, info.threshold, info.nbytes) == (
+            FLEXIBLE_ENCODING,
+            100,
+            1000,
+            1.0,
+            416,
+        )
+        bm = message_info(encode_bitmap_(torch.ones(33), 0.5))
+        assert (bm.format, bm.num_entries, bm.numel, bm.nbytes) == (BITMAP_ENCODING, 33, 33, 28)
+        assert bm.format_name == "bitmap"
+
+
+class TestInputChecks:
+    """Bad inputs name the problem; nothing is changed."""
+
+    def test_two_dimensional(self) -> None:
+        with pytest.raises(ValueError, match="1-D"):
+            encode_sparse_(torch.ones(2, 2), 1.0)
+
+    def test_integer_dtype(self) -> None:
+        with pytest.raises(TypeError, match="dtype"):
+            encode_bitmap_(torch.ones(4, dtype=torch.int32), 1.0)
+
+    def test_non_contiguous(self) -> None:
+        with pytest.raises(ValueError, match="contiguous"):
+            encode_sparse_(torch.ones(8)[::2], 1.0)
+
+    def test_too_large(self) -> None:
+        big = torch.empty(2**31, device="meta")  # shape only, nothing allocated
+        with pytest.raises(ValueError, match="2\\*\\*31"):
+            encode_sparse_(big, 1.0)
+
+    @pytest.mark.parametrize("t", [0.0, -1.0, float("nan"), float("inf"), 1e-50, 1e39])
+    def test_bad_threshold(self, t: float) -> None:
+        r = torch.ones(4)
+        with pytest.raises(ValueError, match="threshold"):
+            encode_sparse_(r, t)
+        assert r.tolist() == [1.0] * 4
+
+    def test_bad_boundary(self) -> None:
+        with pytest.raises(ValueError, match="boundary"):
+            encode_sparse_(torch.ones(4), 1.0, boundary=0)
+
+
+def _good_sparse(n: int = 40) -> tuple[torch.Tensor, int]:
+    r = torch.zeros(n)
+    r[::3] = 2.0
+    r[1::7] = -2.0
+    msg = encode_sparse_(r, 1.0)
+    assert msg is not None
+    return msg, n
+
+
+def _good_bitmap(n: int = 40) -> tuple[torch.Tensor, int]:
+    r = torch.linspace(-2, 2, n)
+    return encode_bitmap_(r, 1.0), n
+
+
+class TestValidation:
+    """A decoder validates the whole message before it writes a single element."""
+
+    @staticmethod
+    def _rejects(msg: torch.Tensor, n: int, match: str) -> None:
+        target = torch.randn(n)
+        before = bits(target).clone()
+        with pytest.raises(MessageError, match=match):
+            decode_(msg, target)
+        assert torch.equal(bits(target), before)
+
+    def test_unknown_format(self) -> None:
+        msg, n = _good_sparse()
+        msg[3] = 7
+        self._rejects(msg, n, "format id 7")
+
+    def test_wrong_numel(self) -> None:
+        msg, _ = _good_sparse(40)
+        self._rejects(msg, 41, "N = 40")
+
+    def test_length_mismatch(self) -> None:
+        msg, n = _good_sparse()
+        self._rejects(msg[:-1].clone(), n, "K = ")
+
+    def test_zero_index(self) -> None:
+        msg, n = _good_sparse()
+        msg[6] = 0
+        self._rejects(msg, n, "is 0")
+
+    def test_index_out_of_range(self) -> None:
+        msg, n = _good_sparse()
+        msg[-1] = n + 1
+        self._rejects(msg, n, "outside")
+
+    def test_int32_min_entry(self) -> None:
+        msg, n = _good_sparse()
+        msg[-1] = -(2**31)
+        self._rejects(msg, n, "outside")
+
+    def test_not_ascending_fault_after_valid_prefix(self) -> None:
+        """The bad entry is last: a decoder that writes as it validates would have written."""
+        msg, n = _good_sparse()
+        msg[-1] = msg[-2]
+        self._rejects(msg, n, "ascending")
+
+    @pytest.mark.parametrize("value", [0.0, -1.0, float("nan"), float("inf")])
+    def test_bad_threshold(self, value: float) -> None:
+        msg, n = _good_bitmap()
+        msg[2] = int(np.float32(value).view(np.int32))
+        self._rejects(msg, n, "threshold")
+
+    def test_bitmap_bits_past_n(self) -> None:
+        msg, n = _good_bitmap(40)
+        msg[-1] = msg[-1] | (1 << 9)  # element 41 of 40
+        self._rejects(msg, n, "past N")
+
+    def test_bitmap_header_mismatch(self) -> None:
+        msg, n = _good_bitmap()
+        msg[0] = 39
+        self._rejects(msg, n, "both be N")
+
+    def test_wrong_dtype_and_short(self) -> None:
+        msg, n = _good_sparse()
+        self._rejects(msg.to(torch.int64), n, "int32")
+        self._rejects(msg[:3].clone(), n, "header")
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    data=st.binary(min_size=0, max_size=200),
+    n=st.integers(1, 70),
+    mutate=st.integers(0, 3),
+)
+def test_fuzz_decoder_only_message_error(data: bytes, n: int, mutate: int) -> None:
+    """Random and mutated messages: decode either succeeds or raises MessageError, and a failed
+    decode leaves the target bit-for-bit unchanged."""
+    if mutate == 0:
+        words = np.frombuffer(data[: len(data) // 4 * 4], dtype=np.int32).copy()
+    else:
+        n = max(n, 8)
+        base = (_good_sparse if mutate == 1 else _good_bitmap)(n)[0].numpy().copy()
+        raw = bytearray(base.tobytes())
+        for i, b in enumerate(data[:8]):
+            raw[(i * 7919 + b) % len(raw)] ^= 1 << (b % 8)
+        words = np.frombuffer(bytes(raw), dtype=np.int32).copy()
+    msg = torch.from_numpy(words)
+    target = torch.randn(n)
+    before = bits(target).clone()
+    try:
+        decode_(msg, target)
+    except MessageError:
+        assert torch.equal(bits(target), before)
+
+
+residuals = st.builds(
+    lambda n, seed, scale: torch.randn(n, generator=torch.Generator().manual_seed(seed)) * scale,
+    st.integers(1, 300),
+    st.integers(0, 2**31 - 1),
+    st.sampled_from([0.1, 1.0, 3.0]),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(r=residuals, t=st.sampled_from([0.25, 0.5, 1.0]), boundary=st.none() | st.integers(1, 50))
+def test_sparse_roundtrip_reconstructs_what_left(
+    r: torch.Tensor, t: float, boundary: int | None
+) -> None:
+    """decode(encode(r)) + residual == r exactly (t is a power of 2), entries ascending,
+    boundary honoured."""
+    before = r.clone()
+    msg = encode_sparse_(r, t, boundary)
+    qualifying = int((before.abs() >= t).sum())
+    if qualifying < 2:
+        assert msg is None and torch.equal(r, before)
+        return
+    assert msg is not None
+    entries = msg[4:].long()
+    assert entries.numel() == (qualifying if boundary is None else min(boundary, qualifying))
+    assert bool((entries.abs()[1:] > entries.abs()[:-1]).all())
+    sent = decode_(msg, torch.zeros_like(r))
+    torch.testing.assert_close(sent + r, before, rtol=0, atol=1e-6)
+
+
+@settings(max_examples=150, deadline=None)
+@given(r=residuals, t=st.sampled_from([0.25, 0.5, 1.0]))
+def test_bitmap_roundtrip_reconstructs_what_left(r: torch.Tensor, t: float) -> None:
+    before = r.clone()
+    msg = encode_bitmap_(r, t)
+    sent = decode_(msg, torch.zeros_like(r))
+    torch.testing.assert_close(sent + r, before, rtol=0, atol=1e-6)
+    assert set(sent.unique().tolist()) <= {0.0, t, -t, -t / 2}
+    assert torch.equal(sent != 0, (before.abs() >= t) | (before <= -t / 2))
+
+
+class TestKernelsEqualTorch:
+    """The fused numba kernels equal the vectorised torch path bit for bit."""
+
+    @pytest.mark.parametrize("n", [1, 15, 16, 17, 255, 257, 4099, 65536 + 17, 300_001])
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+    def test_all_four_kernels(self, n: int, dtype: torch.dtype) -> None:
+        g = torch.Generator().manual_seed(n)
+        x = (torch.randn(n, generator=g) * 1e-3).to(dtype)
+        for encode in (
+            lambda r: encode_sparse_(r, 1e-3),
+            lambda r: encode_sparse_(r, 1e-3, boundary=max(2, n // 50)),
+            lambda r: encode_bitmap_(r, 1e-3),
+        ):
+            a, b = x.clone(), x.clone()
+            ma = encode(a)
+            with torch_path():
+                mb = encode(b)
+            assert (ma is None) == (mb is None)
+            assert torch.equal(bits(a), bits(b))
+            if ma is None or mb is None:
+                continue
+            assert torch.equal(ma, mb)
+            ta = torch.randn(n, generator=g).to(dtype)
+            tb = ta.clone()
+            decode_(ma, ta)
+            with torch_path():
+                decode_(mb, tb)
+            assert torch.equal(bits(ta), bits(tb))
+
+    def test_overflowing_chunk_candidates(self) -> None:
+        """A chunk with more qualifying elements than it remembers is rescanned correctly."""
+        n = 3 * 65536
+        x = torch.zeros(n)
+        x[65536 : 2 * 65536 : 3] = 2.0  # ~21k hits in chunk 1, over its 4096 candidates
+        x[5] = -3.0
+        a, b = x.clone(), x.clone()
+        ma = encode_sparse_(a, 1.0, boundary=15000)
+        with torch_path():
+            mb = encode_sparse_(b, 1.0, boundary=15000)
+        assert ma is not None and mb is not None
+        assert torch.equal(ma, mb) and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_every_dtype_roundtrip(dtype: torch.dtype) -> None:
+    """float16/bfloat16 go through the torch path: values compare in float32, results round."""
+    r = torch.tensor([1.5, -2.5, 0.25, 3.0, -0.75], dtype=dtype)
+    before = r.clone()
+    msg = encode_sparse_(r, 1.0)
+    assert msg is not None and msg[4:].tolist() == [1, -2, 4]
+    assert r.dtype == dtype
+    assert decode_(msg, r).tolist() == before.tolist()
+    r = before.clone()
+    bm = encode_bitmap_(r, 1.0)
+    assert decode_(bm, r).tolist() == before.tolist()
+
+
+def test_decode_rejects_other_device_message() -> None:
+    msg, n = _good_sparse()
+    with pytest.raises(ValueError, match="device"):
+        decode_(msg.to("meta"), torch.zeros(n))

@@ -1,0 +1,204 @@
+"""The encoder (SPEC §4): format choice, conservation, stats, non-finite input, checkpoints."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gradshare import (
+    AdaptiveThreshold,
+    Encoder,
+    FixedThreshold,
+    ResidualClipping,
+    TargetSparsityThreshold,
+    decode_,
+    message_info,
+    optimal_buffer_size,
+)
+from gradshare.codec import BITMAP_ENCODING, FLEXIBLE_ENCODING
+
+
+class TestConservation:
+    """Σ updates = Σ decoded messages + residual + clipped mass, at every step."""
+
+    @settings(max_examples=40, deadline=None)
+    @given(
+        n=st.integers(1, 2000),
+        steps=st.integers(1, 40),
+        seed=st.integers(0, 2**31 - 1),
+        kind=st.sampled_from(["adaptive", "target", "fixed", "fixed-big"]),
+        clip=st.booleans(),
+        boundary=st.none() | st.integers(1, 60),
+    )
+    def test_long_random_streams(
+        self, n: int, steps: int, seed: int, kind: str, clip: bool, boundary: int | None
+    ) -> None:
+        algorithm = {
+            "adaptive": lambda: AdaptiveThreshold(1e-3),
+            "target": lambda: TargetSparsityThreshold(1e-3, 1e-2),
+            "fixed": lambda: FixedThreshold(1e-3),
+            "fixed-big": lambda: FixedThreshold(5e-2),  # mostly no message at all
+        }[kind]()
+        enc = Encoder(algorithm, ResidualClipping(2, 3) if clip else None, boundary)
+        g = torch.Generator().manual_seed(seed)
+        total_in = torch.zeros(n, dtype=torch.float64)
+        total_out = torch.zeros(n, dtype=torch.float64)
+        last_gap = torch.zeros(n, dtype=torch.float64)
+        formats = set()
+        for i in range(steps):
+            u = torch.randn(n, generator=g) * 1e-3
+            total_in += u.double()
+            msg = enc.encode(u, i)
+            stats = enc.last_stats
+            assert stats is not None
+            formats.add(stats.format)
+            if msg is not None:
+                info = message_info(msg)
+                assert info.num_entries == stats.entries
+                assert stats.message_bytes == msg.numel() * 4
+                if boundary is not None and info.format == FLEXIBLE_ENCODING:
+                    assert info.num_entries <= boundary
+                total_out += decode_(msg, torch.zeros(n)).double()
+            assert enc.residual is not None
+            gap = total_in - total_out - enc.residual.double()  # what clipping removed
+            step_removed = float((gap - last_gap).abs().sum())
+            assert step_removed == pytest.approx(stats.clipped, rel=1e-4, abs=1e-6)
+            if not clip:
+                torch.testing.assert_close(gap, torch.zeros_like(gap), rtol=0, atol=1e-5)
+            last_gap = gap
+            assert stats.residual_norm == pytest.approx(
+                float(enc.residual.double().norm()), rel=1e-4, abs=1e-7
+            )
+
+
+class TestFormatChoice:
+    def test_sparse_when_few_cross(self) -> None:
+        enc = Encoder(FixedThreshold(1.0))
+        u = torch.zeros(1600)
+        u[[3, 700]] = torch.tensor([2.5, -1.0])
+        msg = enc.encode(u, 0)
+        assert msg is not None and msg.tolist() == [2, 1600, 1065353216, 0, 4, -701]
+        assert enc.last_stats is not None and enc.last_stats.format == "sparse"
+
+    def test_bitmap_at_dl4j_cutoff_and_nothing_lost(self) -> None:
+        """K + 4 >= N//16 -> bitmap, decided before encoding: the bitmap carries every entry
+        (DL4J encodes sparse first and loses up to N/16·t here)."""
+        n = 1600  # N//16 = 100: 96 entries -> bitmap, 95 -> sparse
+        for k, fmt in [(95, FLEXIBLE_ENCODING), (96, BITMAP_ENCODING)]:
+            enc = Encoder(FixedThreshold(1.0))
+            u = torch.zeros(n)
+            u[:k] = 1.0
+            msg = enc.encode(u, 0)
+            assert msg is not None and message_info(msg).format == fmt
+            assert decode_(msg, torch.zeros(n)).sum().item() == k
+            assert enc.residual is not None and enc.residual.abs().sum().item() == 0
+
+    def test_nothing_sent_below_two(self) -> None:
+        enc = Encoder(FixedThreshold(1.0))
+        u = torch.zeros(100)
+        u[5] = 3.0
+        assert enc.encode(u, 0) is None
+        assert enc.last_stats is not None and enc.last_stats.format is None
+        assert enc.residual is not None and enc.residual[5].item() == 3.0
+
+    def test_threshold_feedback_after_bitmap(self) -> None:
+        """After a bitmap the adaptive algorithm is told 'dense' and raises t."""
+        enc = Encoder(AdaptiveThreshold(1e-3))
+        enc.encode(torch.full((64,), 1.0), 0)
+        enc.encode(torch.zeros(64), 1)
+        assert enc.last_stats is not None
+        assert enc.last_stats.threshold == float(np.float32(1e-3 / AdaptiveThreshold().decay))
+
+
+class TestInput:
+    def test_nonfinite_names_count_and_first_and_leaves_residual(self) -> None:
+        enc = Encoder(FixedThreshold(1.0))
+        enc.encode(torch.full((10,), 0.5), 0)
+        assert enc.residual is not None
+        before = enc.residual.clone()
+        bad = torch.zeros(10)
+        bad[7], bad[3] = float("nan"), float("inf")
+        with pytest.raises(ValueError, match=r"2 non-finite value\(s\), the first at flat index 3"):
+            enc.encode(bad, 1)
+        assert torch.equal(enc.residual, before)
+
+    def test_float64_overflowing_float32_is_nonfinite(self) -> None:
+        enc = Encoder(FixedThreshold(1.0))
+        with pytest.raises(ValueError, match="non-finite"):
+            enc.encode(torch.tensor([1e300, 0.0], dtype=torch.float64), 0)
+
+    def test_wrong_size(self) -> None:
+        enc = Encoder()
+        enc.encode(torch.zeros(4), 0)
+        with pytest.raises(ValueError, match="4 elements"):
+            enc.encode(torch.zeros(5), 1)
+
+    @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+    def test_any_dtype_and_shape_gives_float32_residual(self, dtype: torch.dtype) -> None:
+        enc = Encoder(FixedThreshold(0.5))
+        u = torch.zeros(8, 16, dtype=dtype)
+        u[0, :3] = torch.tensor([1.5, 2.5, -3.5])
+        msg = enc.encode(u, 0)
+        assert msg is not None and msg[4:].tolist() == [1, 2, -3]
+        assert enc.residual is not None and enc.residual.dtype == torch.float32
+        assert enc.residual[:4].tolist() == [1.0, 2.0, -3.0, 0.0]
+
+    def test_bad_threshold_type(self) -> None:
+        with pytest.raises(TypeError, match="FixedThreshold"):
+            Encoder(1e-3)  # type: ignore[arg-type]
+
+
+class TestState:
+    def test_restore_continues_bit_for_bit(self) -> None:
+        g = torch.Generator().manual_seed(0)
+        updates = [torch.randn(3000, generator=g) * 1e-3 for _ in range(12)]
+        a = Encoder(AdaptiveThreshold(1e-3), ResidualClipping())
+        for i, u in enumerate(updates[:6]):
+            a.encode(u, i)
+        state = a.state_dict()
+        b = Encoder(AdaptiveThreshold(1e-3), ResidualClipping())
+        b.load_state_dict(state)
+        for i, u in enumerate(updates[6:], start=6):
+            ma, mb = a.encode(u, i), b.encode(u, i)
+            assert (ma is None and mb is None) or (
+                ma is not None and mb is not None and torch.equal(ma, mb)
+            )
+        assert a.residual is not None and b.residual is not None
+        assert torch.equal(a.residual, b.residual)
+
+    def test_load_mismatch_changes_nothing(self) -> None:
+        a = Encoder(FixedThreshold(1.0))
+        a.encode(torch.full((8,), 0.5), 0)
+        other = Encoder(FixedThreshold(1.0))
+        other.encode(torch.zeros(9), 0)
+        before = a.state_dict()
+        with pytest.raises(ValueError, match="9 elements"):
+            a.load_state_dict(other.state_dict())
+        with pytest.raises(ValueError, match="settings"):
+            a.load_state_dict(Encoder(FixedThreshold(2.0)).state_dict())
+        assert a.residual is not None and torch.equal(a.residual, before["residual"])
+        assert a.algorithm.state_dict() == before["algorithm"]
+
+
+def test_optimal_buffer_size() -> None:
+    assert optimal_buffer_size(1_000_000, 4, 2) == ((1_000_000 // 16) + 65536) * 4 * 2 * 4
+    with pytest.raises(ValueError, match="num_workers"):
+        optimal_buffer_size(10, 0, 1)
+
+
+def test_import_starts_nothing() -> None:
+    """Importing gradshare compiles no kernel, starts no CUDA and no process group."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, gradshare, torch\n"
+        "assert 'gradshare._kernels' not in sys.modules, 'kernels imported'\n"
+        "assert 'numba' not in sys.modules, 'numba imported'\n"
+        "assert not torch.cuda.is_initialized()\n"
+        "assert not torch.distributed.is_initialized()\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

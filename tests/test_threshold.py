@@ -1,0 +1,143 @@
+"""Threshold algorithms (SPEC §2): DL4J's sequences, validation, state, averaging."""
+
+from __future__ import annotations
+
+import pytest
+
+from gradshare import AdaptiveThreshold, FixedThreshold, TargetSparsityThreshold
+from gradshare.threshold import DEFAULT_DECAY, ThresholdAlgorithm
+
+
+class TestAdaptive:
+    """AdaptiveThreshold follows DL4J's AdaptiveThresholdAlgorithm call for call."""
+
+    def test_dl4j_sequence(self) -> None:
+        """DL4J's test: (1e-3, 1e-3, 1e-2, 0.95) -> 1e-3, /0.95 (dense), /0.95, *0.95."""
+        a = AdaptiveThreshold(1e-3, 1e-3, 1e-2, 0.95)
+        t1 = a.calculate_threshold(0, 0, None, None, None)
+        assert t1 == 1e-3
+        t2 = a.calculate_threshold(1, 0, t1, True, None)
+        assert t2 == 1e-3 / 0.95
+        t3 = a.calculate_threshold(2, 0, t2, False, 0.1)
+        assert t3 == t2 / 0.95
+        t4 = a.calculate_threshold(3, 0, t3, False, 1e-4)
+        assert t4 == t3 * 0.95
+
+    def test_inside_band_unchanged_and_stored_base(self) -> None:
+        a = AdaptiveThreshold(2e-3)
+        assert a.calculate_threshold(0, 0, None, None, None) == 2e-3
+        assert a.calculate_threshold(1, 0, None, False, 1e-3) == 2e-3
+        assert a.calculate_threshold(2, 0, None, False, 1e-5) == 2e-3 * DEFAULT_DECAY
+
+    def test_stored_sparsity_used_when_none_given(self) -> None:
+        a = AdaptiveThreshold(1.0)
+        a.calculate_threshold(0, 0, None, None, None)
+        a.calculate_threshold(1, 0, None, False, 0.5)  # above: /decay, stores 0.5
+        assert a.calculate_threshold(2, 0, 1.0, False, None) == 1.0 / DEFAULT_DECAY
+
+    def test_default_decay_value(self) -> None:
+        assert DEFAULT_DECAY == 0.9659363289248456
+        assert AdaptiveThreshold().decay == DEFAULT_DECAY
+
+    @pytest.mark.parametrize(
+        "kwargs,match",
+        [
+            ({"initial": 0.0}, "initial"),
+            ({"initial": float("nan")}, "initial"),
+            ({"min_sparsity": 0.0}, "min_sparsity"),
+            ({"min_sparsity": 0.1, "max_sparsity": 0.01}, "swap"),
+            ({"decay": 1.0}, "decay"),
+            ({"decay": 0.4}, "decay"),
+        ],
+    )
+    def test_validation(self, kwargs: dict[str, float], match: str) -> None:
+        with pytest.raises(ValueError, match=match):
+            AdaptiveThreshold(**kwargs)
+
+
+class TestTargetSparsity:
+    def test_rules(self) -> None:
+        a = TargetSparsityThreshold(1.0, 1e-3, 0.5)
+        assert a.calculate_threshold(0, 0, None, None, None) == 1.0
+        assert a.calculate_threshold(1, 0, 1.0, False, 1e-4) == 0.5
+        assert a.calculate_threshold(2, 0, 0.5, False, 1e-2) == 1.0
+        assert a.calculate_threshold(3, 0, 1.0, False, 1e-3) == 1.0
+        assert a.calculate_threshold(4, 0, 1.0, True, None) == 2.0
+
+    @pytest.mark.parametrize("target", [0.0, 1 / 16, 0.5])
+    def test_target_validation(self, target: float) -> None:
+        with pytest.raises(ValueError, match="target"):
+            TargetSparsityThreshold(target=target)
+
+
+class TestFixed:
+    def test_always_same(self) -> None:
+        f = FixedThreshold(0.25)
+        assert [f.calculate_threshold(i, 0, 9.0, True, 0.5) for i in range(3)] == [0.25] * 3
+
+    @pytest.mark.parametrize("t", [0.0, -1.0, float("inf")])
+    def test_validation(self, t: float) -> None:
+        with pytest.raises(ValueError, match="threshold"):
+            FixedThreshold(t)
+
+
+def _run(a: ThresholdAlgorithm, sparsities: list[float | None]) -> list[float]:
+    out, last = [], None
+    for i, s in enumerate(sparsities):
+        last = a.calculate_threshold(i, 0, last, s is None and i > 0, s)
+        out.append(last)
+    return out
+
+
+class TestState:
+    """A restored algorithm continues exactly as the original would have."""
+
+    @pytest.mark.parametrize(
+        "make",
+        [
+            lambda: AdaptiveThreshold(1e-3),
+            lambda: TargetSparsityThreshold(1e-3),
+            lambda: FixedThreshold(1e-3),
+        ],
+    )
+    def test_round_trip_continues_identically(self, make) -> None:  # type: ignore[no-untyped-def]
+        seq = [None, 0.5, None, 1e-5, 1e-3, 0.2]
+        a = make()
+        _run(a, seq[:3])
+        b = make()
+        b.load_state_dict(a.state_dict())
+        assert [a.calculate_threshold(9, 1, None, False, s) for s in seq[3:]] == [
+            b.calculate_threshold(9, 1, None, False, s) for s in seq[3:]
+        ]
+
+    def test_load_rejects_other_class_and_settings(self) -> None:
+        with pytest.raises(ValueError, match="AdaptiveThreshold"):
+            FixedThreshold(1.0).load_state_dict(AdaptiveThreshold().state_dict())
+        with pytest.raises(ValueError, match="settings"):
+            AdaptiveThreshold(1e-3).load_state_dict(AdaptiveThreshold(2e-3).state_dict())
+
+    def test_clone_is_independent(self) -> None:
+        a = AdaptiveThreshold(1.0)
+        a.calculate_threshold(0, 0, None, None, None)
+        b = a.clone()
+        a.calculate_threshold(1, 0, None, False, 0.9)
+        assert b.last_threshold == 1.0 and a.last_threshold != 1.0
+
+
+class TestAverage:
+    def test_mean_of_thresholds(self) -> None:
+        """DL4J's reducer case: workers at 1e-4 and 5e-4 resume at 3e-4."""
+        a, b = AdaptiveThreshold(1e-4), AdaptiveThreshold(1e-4)
+        a.calculate_threshold(0, 0, None, None, None)
+        b.calculate_threshold(0, 0, None, None, None)
+        b.last_threshold = 5e-4
+        avg = ThresholdAlgorithm.average([a, b])
+        assert avg.last_threshold == pytest.approx(3e-4, rel=1e-12)
+        assert avg.calculate_threshold(1, 1, None, False, 1e-3) == pytest.approx(3e-4, rel=1e-12)
+        assert a.last_threshold == 1e-4  # inputs untouched
+
+    def test_errors(self) -> None:
+        with pytest.raises(ValueError, match="none"):
+            ThresholdAlgorithm.average([])
+        with pytest.raises(ValueError, match="one class"):
+            ThresholdAlgorithm.average([AdaptiveThreshold(), FixedThreshold(1.0)])
