@@ -40,7 +40,7 @@ def parse_threshold(spec: str) -> ThresholdAlgorithm:
         t = float(value) if value else 1e-3
         if kind == "target":
             return TargetSparsityThreshold(initial=1e-3, target=t)
-        return THRESHOLD_KINDS[kind](t)  # type: ignore[abstract]
+        return THRESHOLD_KINDS[kind](t)
     except ValueError as e:
         raise UsageError(f"bad --threshold {spec!r}: {e}") from None
 

@@ -1,0 +1,32 @@
+"""`gradshare inspect`: runs, prints a row per step, and turns bad values into exit code 2."""
+
+from __future__ import annotations
+
+import pytest
+
+from gradshare.cli import main
+
+
+def test_inspect_prints_each_step(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["inspect", "--numel", "20000", "--steps", "3", "--threshold", "fixed:1e-2"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line[:4].strip().isdigit()]
+    assert len(rows) == 3
+    assert "total sent" in out
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["inspect", "--threshold", "nope:1"],
+        ["inspect", "--threshold", "fixed:-1"],
+        ["inspect", "--clip", "0.5:5"],
+        ["inspect", "--numel", "-3"],
+    ],
+)
+def test_bad_values_exit_2_with_one_line(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("gradshare inspect: error:") and "\n" not in err
