@@ -256,6 +256,17 @@ class TestValidation:
         msg[0] = 39
         self._rejects(msg, n, "both be N")
 
+    @pytest.mark.parametrize("where", [0, -1])
+    def test_large_message_fault_leaves_target(self, where: int) -> None:
+        """Messages past the serial-decode size take the parallel validator: same guarantee."""
+        n = 200_000
+        r = torch.zeros(n)
+        r[::4] = 2.0  # 50k entries
+        msg = encode_sparse_(r, 1.0)
+        assert msg is not None and msg.numel() - 4 > codec._k().SMALL
+        msg[4 + where if where >= 0 else where] = 0
+        self._rejects(msg, n, "is 0")
+
     def test_wrong_dtype_and_short(self) -> None:
         msg, n = _good_sparse()
         self._rejects(msg.to(torch.int64), n, "int32")

@@ -315,3 +315,25 @@ def decode_bitmap(words, t, target):  # pragma: no cover - compiled
                 step = -t if sgn else t
                 hstep = -half if sgn else zero
                 tb[j] += step if mag else hstep
+
+
+SMALL = 1 << 14
+"""Sparse messages with fewer entries than this decode in one serial call (no thread launch)."""
+
+
+@njit(nogil=True, cache=True)
+def decode_sparse_small(entries, n, t, target):  # pragma: no cover - compiled
+    """Validate every entry, then (only if all are valid) add them; return the first bad or -1."""
+    prev = np.int64(0)
+    for k in range(entries.size):
+        a = abs(np.int64(entries[k]))
+        if a == 0 or a > n or a <= prev:
+            return k
+        prev = a
+    for k in range(entries.size):
+        e = entries[k]
+        if e > 0:
+            target[e - 1] += t
+        else:
+            target[-e - 1] -= t
+    return -1

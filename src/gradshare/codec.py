@@ -514,7 +514,14 @@ def decode_(message: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
             "it was made for another vector."
         )
     payload = message[HEADER_WORDS:]
-    if fmt == FLEXIBLE_ENCODING:
+    if fmt == FLEXIBLE_ENCODING and _use_kernels(target) and payload.numel() < _k().SMALL:
+        with _kernel_lock:
+            k = _k().decode_sparse_small(
+                payload.numpy(), numel, _scalar(t, target), target.detach().numpy()
+            )
+        if k >= 0:
+            raise MessageError("Invalid sparse message: " + _fault_text(payload, k, numel) + ".")
+    elif fmt == FLEXIBLE_ENCODING:
         k = _first_bad_sparse(payload, numel)
         if k >= 0:
             raise MessageError("Invalid sparse message: " + _fault_text(payload, k, numel) + ".")
