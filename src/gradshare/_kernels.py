@@ -1,16 +1,31 @@
 """Fused CPU kernels behind :mod:`gradshare.codec` (private).
 
 Every kernel works on a flat float32 or float64 array split into chunks of :data:`CHUNK`
-elements; chunks run in parallel (``prange``) and each chunk walks its elements in blocks of
-:data:`SUPER` or 16 so that the inner loops are indexed from 0 and vectorise.
+elements; chunks run in parallel (``prange``) and each chunk walks its elements in superblocks
+of :data:`SUPER` or words of 16 so that the inner loops are indexed from 0 and vectorise.
 
-Sparse encoding is two passes, so that the format can be chosen before anything is changed:
+Sparse encoding is speculative, so that one pass over memory does the work and the format can
+still be chosen afterwards:
 
-1. :func:`scan` adds the update into the residual (optional), counts the elements with
-   ``|x| >= t`` per chunk, remembers their chunk-local positions as *candidates* (up to ``cap``
-   per chunk) while the block is still in cache, and sums ``x*x`` for the residual norm.
-2. :func:`emit_sparse` writes the chosen entries into the message and moves only those elements
-   by ``t``; it touches K elements, not N (a chunk whose candidates overflowed is rescanned).
+1. :func:`scan` adds the update into the residual (optional), sums ``x*x`` for the residual
+   norm, and for every element with ``|x| >= t`` — while its superblock is still in cache —
+   records its signed 1-based entry and its old value (up to :data:`CAP` per chunk) and already
+   moves it by ``t``. A chunk with more than ``CAP`` qualifying elements puts its moved elements
+   back from the recorded old values at once and is left unmoved (``counts[c] > CAP`` marks it).
+2. :func:`emit_sparse` copies the recorded entries of the chosen prefix into the message and
+   puts back (exactly, from the old values) every recorded element past the prefix; an
+   unmoved chunk is rescanned and moves its own share. It touches only what it must undo.
+3. When the format turns out to be a bitmap, :func:`encode_bitmap` puts each chunk's recorded
+   elements back just before it encodes that chunk (the chunk is then in cache anyway); and
+   :func:`undo` puts everything back when no message is sent.
+
+The superblock step of (1) and of the bitmap encode are small LLVM intrinsics
+(:func:`_make_superblock`, :func:`_make_bitmap_superblock`) working on one vector register at a
+time (16 float32 or 8 float64 with AVX-512): a compare gives the lane mask, a select the moved
+values, and ``llvm.experimental.vector.compress`` packs the entries and old values of the hit
+lanes (AVX-512 ``vpcompress`` into a register, then a narrow store; LLVM expands it on CPUs
+without AVX-512, still correct). The bitmap words come straight from the compare masks. Every
+element sees the same IEEE operations as the torch path, so results are identical bit for bit.
 
 This module imports numba; :mod:`gradshare.codec` imports it on first use only, and numba compiles
 each kernel on its first call (cached on disk), so importing gradshare compiles nothing.
@@ -19,14 +34,21 @@ each kernel on its first call (cached on disk), so importing gradshare compiles 
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 CHUNK = 1 << 16
 """Elements per parallel chunk (a multiple of 16, so bitmap words never straddle chunks)."""
 SUPER = 256
 """Elements per vectorised superblock inside a chunk."""
 CAP = CHUNK // 16
-"""Candidates remembered per chunk; a chunk with more is rescanned by :func:`emit_sparse`."""
+"""Entries recorded per chunk; a chunk with more is left unmoved and rescanned when emitting."""
+W = 16
+"""Lanes of the superblock intrinsics (one bitmap word, one AVX-512 register of float32)."""
+STRIDE = CAP + SUPER + W
+"""Record slots per chunk: ``CAP`` plus the slack one superblock's full-width stores may use."""
 
 _OPTS = {"parallel": True, "nogil": True, "cache": True}
 
@@ -49,158 +71,462 @@ def count_nonfinite(x, counts):  # pragma: no cover - compiled
         counts[c] = bad
 
 
-_DEBRUIJN = np.array(
-    [
-        0,
-        1,
-        28,
-        2,
-        29,
-        14,
-        24,
-        3,
-        30,
-        22,
-        20,
-        15,
-        25,
-        17,
-        4,
-        8,
-        31,
-        27,
-        13,
-        23,
-        21,
-        19,
-        16,
-        7,
-        26,
-        12,
-        18,
-        6,
-        11,
-        5,
-        10,
-        9,
-    ],
-    np.int64,
-)
-"""Bit position of a power of two from its de Bruijn product (count trailing zeros)."""
+def _splat(builder, value, vty):  # pragma: no cover - runs while compiling
+    i32 = ir.IntType(32)
+    vec = builder.insert_element(ir.Constant(vty, ir.Undefined), value, ir.Constant(i32, 0))
+    zeros = ir.Constant(ir.VectorType(i32, vty.count), None)
+    return builder.shuffle_vector(vec, ir.Constant(vty, ir.Undefined), zeros)
+
+
+def _vector_bytes(context):  # pragma: no cover - runs while compiling
+    """Bytes of the widest vector register of the compile target (64 with AVX-512)."""
+    try:
+        features = context.codegen()._tm_features
+    except AttributeError:  # numba internals moved: stay with the widely legal width
+        return 32
+    if "+avx512f" in features:
+        return 64
+    return 32 if "+avx" in features else 16
+
+
+def _hsum(builder, vec):  # pragma: no cover - runs while compiling
+    """Sum of the lanes of a vector (pairwise halving)."""
+    i32 = ir.IntType(32)
+    width = vec.type.count
+    while width > 1:
+        width //= 2
+        lo = builder.shuffle_vector(
+            vec, vec, ir.Constant(ir.VectorType(i32, width), list(range(width)))
+        )
+        hi = builder.shuffle_vector(
+            vec, vec, ir.Constant(ir.VectorType(i32, width), list(range(width, 2 * width)))
+        )
+        vec = builder.fadd(lo, hi)
+    return builder.extract_element(vec, ir.Constant(i32, 0))
+
+
+def _store_front(builder, vec, ptr, count, narrow):  # pragma: no cover - runs while compiling
+    """Store the first ``count`` lanes of ``vec`` at ``ptr`` (and possibly more, up to all).
+
+    Writes ``narrow`` lanes, and the whole vector only when ``count`` exceeds them (rare for
+    sparse data), so that most groups cost one small store instead of a full-width one.
+    """
+    i32 = ir.IntType(32)
+    ety = vec.type.element
+    align = 4 if isinstance(ety, ir.IntType) else (4 if ety == ir.FloatType() else 8)
+    front = builder.shuffle_vector(
+        vec, vec, ir.Constant(ir.VectorType(i32, narrow), list(range(narrow)))
+    )
+    builder.store(front, builder.bitcast(ptr, front.type.as_pointer()), align=align)
+    with builder.if_then(
+        builder.icmp_unsigned(">", count, ir.Constant(count.type, narrow)), likely=False
+    ):
+        builder.store(vec, builder.bitcast(ptr, vec.type.as_pointer()), align=align)
+
+
+def _make_superblock(add, every):  # pragma: no cover - runs while compiling
+    """The intrinsic that adds, squares, tests, moves and records one superblock.
+
+    ``add``: ``r += u`` first. ``every``: run the move-and-record step on every 16 lanes without
+    a branch (dense data); else only on lanes groups with a hit (sparse data, the branch is
+    predictable).
+    """
+
+    @intrinsic
+    def superblock(typingctx, r, u, pos, t, ent, old, k):
+        for a in (r, u, ent, old):
+            if not (isinstance(a, types.Array) and a.ndim == 1 and a.layout == "C"):
+                return None
+        ret = types.Tuple((types.int64, r.dtype))
+        sig = ret(r, u, types.int64, r.dtype, ent, old, types.int64)
+
+        def codegen(context, builder, signature, args):
+            r_, u_, pos_, t_, ent_, old_, k_ = args
+            rty = signature.args[0]
+            fty = context.get_value_type(rty.dtype)
+            lanes = _vector_bytes(context) // context.get_abi_sizeof(fty)  # one register
+            i32, i64, iw = ir.IntType(32), ir.IntType(64), ir.IntType(lanes)
+            vty = ir.VectorType(fty, lanes)
+            ivty = ir.VectorType(i32, lanes)
+            mty = ir.VectorType(ir.IntType(1), lanes)
+            sfx = "f32" if rty.dtype == types.float32 else "f64"
+            align = context.get_abi_sizeof(fty)
+            mod = builder.module
+            fabs = cgutils.get_or_insert_function(
+                mod, ir.FunctionType(vty, [vty]), f"llvm.fabs.v{lanes}{sfx}"
+            )
+            pack_i = cgutils.get_or_insert_function(
+                mod,
+                ir.FunctionType(ivty, [ivty, mty, ivty]),
+                f"llvm.experimental.vector.compress.v{lanes}i32",
+            )
+            pack_f = cgutils.get_or_insert_function(
+                mod,
+                ir.FunctionType(vty, [vty, mty, vty]),
+                f"llvm.experimental.vector.compress.v{lanes}{sfx}",
+            )
+            ctpop = cgutils.get_or_insert_function(
+                mod, ir.FunctionType(iw, [iw]), f"llvm.ctpop.i{lanes}"
+            )
+            rdata = context.make_array(rty)(context, builder, r_).data
+            udata = context.make_array(signature.args[1])(context, builder, u_).data
+            edata = context.make_array(signature.args[4])(context, builder, ent_).data
+            odata = context.make_array(signature.args[5])(context, builder, old_).data
+            tv = _splat(builder, t_, vty)
+            iota = ir.Constant(ivty, list(range(lanes)))
+            kvar = cgutils.alloca_once_value(builder, k_)
+            acc = cgutils.alloca_once_value(builder, ir.Constant(vty, None))
+
+            def group(at):
+                vptr = builder.bitcast(builder.gep(rdata, [at], inbounds=True), vty.as_pointer())
+                v = builder.load(vptr, align=align)
+                if add:
+                    uptr = builder.bitcast(
+                        builder.gep(udata, [at], inbounds=True), vty.as_pointer()
+                    )
+                    v = builder.fadd(v, builder.load(uptr, align=align))
+                builder.store(builder.fadd(builder.load(acc), builder.fmul(v, v)), acc)
+                hit = builder.fcmp_ordered(">=", builder.call(fabs, [v]), tv)
+                bits = builder.bitcast(hit, iw)
+                if add and not every:
+                    builder.store(v, vptr, align=align)
+
+                def take():
+                    up = builder.fcmp_ordered(">=", v, tv)
+                    step = builder.select(up, tv, builder.fneg(tv))
+                    moved = builder.select(hit, builder.fsub(v, step), v)
+                    builder.store(moved, vptr, align=align)
+                    first = builder.add(builder.trunc(at, i32), ir.Constant(i32, 1))
+                    idx = builder.add(_splat(builder, first, ivty), iota)
+                    entry = builder.select(up, idx, builder.neg(idx))
+                    kk = builder.load(kvar)
+                    taken = builder.zext(builder.call(ctpop, [bits]), i64)
+                    eptr = builder.gep(edata, [kk], inbounds=True)
+                    optr = builder.gep(odata, [kk], inbounds=True)
+                    packed_e = builder.call(pack_i, [entry, hit, ir.Constant(ivty, ir.Undefined)])
+                    packed_o = builder.call(pack_f, [v, hit, ir.Constant(vty, ir.Undefined)])
+                    _store_front(builder, packed_e, eptr, taken, 4)
+                    _store_front(builder, packed_o, optr, taken, 4)
+                    builder.store(builder.add(kk, taken), kvar)
+
+                if every:
+                    take()
+                else:
+                    with builder.if_then(
+                        builder.icmp_unsigned("!=", bits, ir.Constant(iw, 0)), likely=False
+                    ):
+                        take()
+
+            # branch-free variants: straight-line code; sparse ones: a loop (smaller code)
+            if every:
+                for q in range(SUPER // lanes):
+                    group(builder.add(pos_, ir.Constant(i64, q * lanes)))
+            else:
+                with cgutils.for_range(builder, ir.Constant(i64, SUPER // lanes)) as loop:
+                    group(builder.add(pos_, builder.mul(loop.index, ir.Constant(i64, lanes))))
+            taken = builder.sub(builder.load(kvar), k_)
+            return context.make_tuple(builder, ret, [taken, _hsum(builder, builder.load(acc))])
+
+        return sig, codegen
+
+    return superblock
+
+
+def _make_bitmap_superblock(add):  # pragma: no cover - runs while compiling
+    """The intrinsic that (adds and) bitmap-encodes one superblock: 16 words of 16 elements.
+
+    Per element the same IEEE operations as :func:`_bitmap_code`; the magnitude and sign bits
+    of a word come straight from the vector compare masks.
+    """
+
+    @intrinsic
+    def bitmap_superblock(typingctx, r, u, pos, t, words):
+        for a in (r, u, words):
+            if not (isinstance(a, types.Array) and a.ndim == 1 and a.layout == "C"):
+                return None
+        ret = types.Tuple((types.int64, r.dtype))
+        sig = ret(r, u, types.int64, r.dtype, words)
+
+        def codegen(context, builder, signature, args):
+            r_, u_, pos_, t_, words_ = args
+            rty = signature.args[0]
+            fty = context.get_value_type(rty.dtype)
+            lanes = _vector_bytes(context) // context.get_abi_sizeof(fty)
+            lanes = min(lanes, 16)
+            i32, i64, il = ir.IntType(32), ir.IntType(64), ir.IntType(lanes)
+            vty = ir.VectorType(fty, lanes)
+            sfx = "f32" if rty.dtype == types.float32 else "f64"
+            align = context.get_abi_sizeof(fty)
+            mod = builder.module
+            fabs = cgutils.get_or_insert_function(
+                mod, ir.FunctionType(vty, [vty]), f"llvm.fabs.v{lanes}{sfx}"
+            )
+            ctpop = cgutils.get_or_insert_function(
+                mod, ir.FunctionType(il, [il]), f"llvm.ctpop.i{lanes}"
+            )
+            rdata = context.make_array(rty)(context, builder, r_).data
+            udata = context.make_array(signature.args[1])(context, builder, u_).data
+            wdata = context.make_array(signature.args[4])(context, builder, words_).data
+            tv = _splat(builder, t_, vty)
+            hv = builder.fmul(tv, ir.Constant(vty, [0.5] * lanes))
+            zero = ir.Constant(vty, None)
+            sent = cgutils.alloca_once_value(builder, ir.Constant(i64, 0))
+            acc = cgutils.alloca_once_value(builder, zero)
+            wbase = builder.sdiv(pos_, ir.Constant(i64, 16))
+            with cgutils.for_range(builder, ir.Constant(i64, SUPER // 16)) as loop:
+                word = ir.Constant(i32, 0)
+                for g in range(16 // lanes):
+                    at = builder.add(
+                        pos_,
+                        builder.add(
+                            builder.mul(loop.index, ir.Constant(i64, 16)),
+                            ir.Constant(i64, g * lanes),
+                        ),
+                    )
+                    vptr = builder.bitcast(
+                        builder.gep(rdata, [at], inbounds=True), vty.as_pointer()
+                    )
+                    v = builder.load(vptr, align=align)
+                    if add:
+                        uptr = builder.bitcast(
+                            builder.gep(udata, [at], inbounds=True), vty.as_pointer()
+                        )
+                        v = builder.fadd(v, builder.load(uptr, align=align))
+                    a = builder.call(fabs, [v])
+                    mag = builder.fcmp_ordered(">=", a, tv)
+                    neg = builder.fcmp_ordered("<", v, zero)
+                    sgn = builder.and_(neg, builder.fcmp_ordered(">=", a, hv))
+                    step = builder.select(neg, builder.fneg(tv), tv)
+                    hstep = builder.select(sgn, builder.fneg(hv), zero)
+                    nv = builder.fsub(v, builder.select(mag, step, hstep))
+                    builder.store(nv, vptr, align=align)
+                    builder.store(builder.fadd(builder.load(acc), builder.fmul(nv, nv)), acc)
+                    mbits = builder.bitcast(mag, il)
+                    sbits = builder.bitcast(sgn, il)
+                    n_sent = builder.zext(builder.call(ctpop, [builder.or_(mbits, sbits)]), i64)
+                    builder.store(builder.add(builder.load(sent), n_sent), sent)
+                    lo = builder.shl(builder.zext(mbits, i32), ir.Constant(i32, g * lanes))
+                    hi = builder.shl(builder.zext(sbits, i32), ir.Constant(i32, 16 + g * lanes))
+                    word = builder.or_(word, builder.or_(lo, hi))
+                wptr = builder.gep(wdata, [builder.add(wbase, loop.index)], inbounds=True)
+                builder.store(word, wptr, align=4)
+            return context.make_tuple(
+                builder, ret, [builder.load(sent), _hsum(builder, builder.load(acc))]
+            )
+
+        return sig, codegen
+
+    return bitmap_superblock
+
+
+_bitmap_add = _make_bitmap_superblock(True)
+_bitmap_in_place = _make_bitmap_superblock(False)
+
+
+_super_add_every = _make_superblock(True, True)
+_super_add_sparse = _make_superblock(True, False)
+_super_every = _make_superblock(False, True)
+_super_sparse = _make_superblock(False, False)
+
+
+@njit(inline="always")
+def _restore(r, ent, old, lo, hi):  # pragma: no cover - compiled
+    """Put back the recorded elements ``lo..hi`` (old values) of one chunk."""
+    for k in range(lo, hi):
+        e = ent[k]
+        r[(e if e > 0 else -e) - 1] = old[k]
 
 
 @njit(fastmath={"reassoc"}, **_OPTS)
-def scan(r, u, add, t, counts, sumsq, cand):  # pragma: no cover - compiled
-    """Optionally ``r += u``; count ``|r| >= t`` per chunk, keep candidates, sum ``r*r``.
+def scan(r, u, add, t, counts, ent, old):  # pragma: no cover - compiled
+    """Optionally ``r += u``; count, record and move the elements with ``|r| >= t``.
 
-    Each chunk walks superblocks of 256 elements with one vectorised loop (add, count, square);
-    only a superblock with hits is looked at again, 16 elements at a time, as a 16-bit mask whose
-    set bits are the candidates. ``cand`` holds ``CAP`` chunk-local positions per chunk;
-    ``counts[c]`` may exceed ``CAP`` (then :func:`emit_sparse` rescans that chunk).
+    Returns ``(qualifying elements, sum(r*r) before any move)``. Per chunk ``c``: ``counts[c]``
+    qualifying elements; when ``counts[c] <= CAP`` they are moved and recorded in
+    ``ent/old[c*STRIDE : c*STRIDE + counts[c]]`` (ascending), else the chunk is unmoved.
+    """
+    total = 0
+    sumsq = 0.0
+    for c in prange(counts.size):
+        cnt, ss = _scan_chunk(r, u, add, t, c, ent, old)
+        counts[c] = cnt
+        total += cnt
+        sumsq += ss
+    return total, sumsq
+
+
+@njit(fastmath={"reassoc"}, nogil=True, cache=True)
+def _scan_chunk(r, u, add, t, c, ent, old):  # pragma: no cover - compiled
+    """The work of :func:`scan` for chunk ``c``: returns (qualifying elements, sum of squares).
+
+    While the chunk records, each superblock goes through one of the superblock intrinsics:
+    the branch-free one once the chunk has seen more than 1 hit per 64 elements, else the one
+    that skips groups of 16 without a hit. A chunk whose count passes ``CAP`` (its records may
+    run ``SUPER + W`` past it: the slack of ``STRIDE``) puts everything back and only counts.
     """
     n = r.size
-    db = _DEBRUIJN
-    for c in prange(counts.size):
-        lo = c * CHUNK
-        hi = min(lo + CHUNK, n)
-        rs = r[lo:hi]
-        us = u[lo:hi]
-        cs = cand[c * CAP : (c + 1) * CAP]
-        m = hi - lo
-        cnt = 0
-        ss = 0.0
-        for b in range(m // SUPER):
-            rb = rs[b * SUPER : (b + 1) * SUPER]
-            ub = us[b * SUPER : (b + 1) * SUPER]
-            hits = 0
-            bs = t - t
-            if add:
-                for j in range(SUPER):
-                    v = rb[j] + ub[j]
-                    rb[j] = v
-                    hits += abs(v) >= t
-                    bs += v * v
+    lo = c * CHUNK
+    hi = min(lo + CHUNK, n)
+    rs = r[lo:hi]
+    us = u[lo:hi]
+    base = c * STRIDE
+    m = hi - lo
+    cnt = 0
+    rec = True
+    ss = 0.0
+    for b in range(m // SUPER):
+        if rec:
+            at = lo + b * SUPER
+            every = cnt * 64 > b * SUPER
+            if add and every:
+                k, bs = _super_add_every(r, u, at, t, ent, old, base + cnt)
+            elif add:
+                k, bs = _super_add_sparse(r, u, at, t, ent, old, base + cnt)
+            elif every:
+                k, bs = _super_every(r, u, at, t, ent, old, base + cnt)
             else:
-                for j in range(SUPER):
-                    v = rb[j]
-                    hits += abs(v) >= t
-                    bs += v * v
+                k, bs = _super_sparse(r, u, at, t, ent, old, base + cnt)
+            cnt += k
             ss += bs
-            if hits:
-                for q in range(SUPER // 16):
-                    qb = rb[q * 16 : (q + 1) * 16]
-                    mask = np.uint32(0)
-                    for j in range(16):
-                        mask |= np.uint32(abs(qb[j]) >= t) << np.uint32(j)
-                    while mask:
-                        low = mask & (~mask + np.uint32(1))
-                        j = db[((low * np.uint32(0x077CB531)) & np.uint32(0xFFFFFFFF)) >> 27]
-                        if cnt < CAP:
-                            cs[cnt] = b * SUPER + q * 16 + j
-                        cnt += 1
-                        mask ^= low
-        for k in range(m - m % SUPER, m):
-            if add:
-                rs[k] = rs[k] + us[k]
-            v = rs[k]
-            ss += v * v
-            if abs(v) >= t:
-                if cnt < CAP:
-                    cs[cnt] = k
+            if cnt > CAP:
+                _restore(r, ent, old, base, base + cnt)
+                rec = False
+            continue
+        rb = rs[b * SUPER : (b + 1) * SUPER]
+        ub = us[b * SUPER : (b + 1) * SUPER]
+        hits = 0
+        bs = t - t
+        if add:
+            for j in range(SUPER):
+                v = rb[j] + ub[j]
+                rb[j] = v
+                hits += abs(v) >= t
+                bs += v * v
+        else:
+            for j in range(SUPER):
+                v = rb[j]
+                hits += abs(v) >= t
+                bs += v * v
+        cnt += hits
+        ss += bs
+    tail = m - m % SUPER
+    hits = 0
+    for j in range(tail, m):
+        if add:
+            rs[j] = rs[j] + us[j]
+        v = rs[j]
+        ss += v * v
+        hits += abs(v) >= t
+    if hits and rec and cnt + hits > CAP:
+        _restore(r, ent, old, base, base + cnt)
+        rec = False
+    if hits and rec:
+        for j in range(tail, m):
+            v = rs[j]
+            if v >= t:
+                ent[base + cnt] = lo + j + 1
+                old[base + cnt] = v
+                rs[j] = v - t
                 cnt += 1
-        counts[c] = cnt
-        sumsq[c] = ss
+            elif v <= -t:
+                ent[base + cnt] = -(lo + j + 1)
+                old[base + cnt] = v
+                rs[j] = v + t
+                cnt += 1
+    elif hits:
+        cnt += hits
+    return cnt, ss
 
 
 @njit(**_OPTS)
-def emit_sparse(r, t, counts, offsets, cand, limit, entries, dsumsq):  # pragma: no cover
-    """Write up to ``limit`` entries in index order and move those elements by ``t``.
-
-    ``offsets[c]`` is the number of qualifying elements before chunk ``c``. ``dsumsq[c]``
-    receives the change of ``sum(r*r)`` caused by the chunk's moves.
-    """
-    n = r.size
+def undo(r, counts, ent, old):  # pragma: no cover - compiled
+    """Put back every element that :func:`scan` moved."""
     for c in prange(counts.size):
-        take = min(counts[c], limit - offsets[c])
-        if take <= 0:
-            dsumsq[c] = 0.0
-            continue
-        lo = c * CHUNK
-        hi = min(lo + CHUNK, n)
-        out = entries[offsets[c] : offsets[c] + take]
-        d = 0.0
         if counts[c] <= CAP:
-            cs = cand[c * CAP : c * CAP + take]
-            for k in range(take):
-                g = lo + cs[k]
-                v = r[g]
-                if v >= t:
-                    out[k] = g + 1
-                    nv = v - t
-                else:
-                    out[k] = -(g + 1)
-                    nv = v + t
+            _restore(r, ent, old, c * STRIDE, c * STRIDE + counts[c])
+
+
+@njit(nogil=True, cache=True)
+def _emit_prefix(counts, offsets, message, take, n, bits):  # pragma: no cover - compiled
+    """Header of a sparse message; ``offsets[c]`` = qualifying elements before chunk ``c``."""
+    acc = 0
+    for c in range(counts.size):
+        offsets[c] = acc
+        acc += counts[c]
+    message[0] = take
+    message[1] = n
+    message[2] = bits
+    message[3] = 0
+
+
+@njit(fastmath={"reassoc"}, nogil=True, cache=True)
+def _emit_chunk(r, t, counts, offsets, ent, old, take_all, entries, c):  # pragma: no cover
+    """The work of :func:`emit_sparse` for chunk ``c``: returns its change of ``sum(r*r)``."""
+    cnt = counts[c]
+    take = max(0, min(cnt, take_all - offsets[c]))
+    d = 0.0
+    if cnt <= CAP:
+        base = c * STRIDE
+        es = ent[base : base + take]
+        os_ = old[base : base + take]
+        out = entries[offsets[c] : offsets[c] + take]
+        for k in range(take):
+            out[k] = es[k]
+        for k in range(take):
+            v = os_[k]
+            nv = v - t if es[k] > 0 else v + t
+            d += nv * nv - v * v
+        _restore(r, ent, old, base + take, base + cnt)
+    elif take > 0:
+        lo = c * CHUNK
+        hi = min(lo + CHUNK, r.size)
+        out = entries[offsets[c] : offsets[c] + take]
+        k = 0
+        g = lo
+        while k < take and g < hi:
+            v = r[g]
+            if v >= t:
+                out[k] = g + 1
+                nv = v - t
                 r[g] = nv
                 d += nv * nv - v * v
-        else:
-            k = 0
-            g = lo
-            while k < take and g < hi:
-                v = r[g]
-                if v >= t:
-                    out[k] = g + 1
-                    nv = v - t
-                    r[g] = nv
-                    d += nv * nv - v * v
-                    k += 1
-                elif v <= -t:
-                    out[k] = -(g + 1)
-                    nv = v + t
-                    r[g] = nv
-                    d += nv * nv - v * v
-                    k += 1
-                g += 1
-        dsumsq[c] = d
+                k += 1
+            elif v <= -t:
+                out[k] = -(g + 1)
+                nv = v + t
+                r[g] = nv
+                d += nv * nv - v * v
+                k += 1
+            g += 1
+    return d
+
+
+@njit(fastmath={"reassoc"}, **_OPTS)
+def emit_sparse(r, t, counts, offsets, ent, old, take, message, bits):  # pragma: no cover
+    """Write the message of the first ``take`` entries after a :func:`scan`; undo the rest.
+
+    ``message`` is the whole int32 message of ``take + 4`` words; ``bits`` the int32 reading
+    of t's float32 bits for its header. Recorded chunks copy their entries and put back the
+    moves past ``take`` (exactly, from the old values); an unmoved chunk rescans and moves its
+    share. Returns the change of ``sum(r*r)`` caused by the moves that stay.
+    """
+    _emit_prefix(counts, offsets, message, take, r.size, bits)
+    entries = message[4:]
+    dsumsq = 0.0
+    for c in prange(counts.size):
+        dsumsq += _emit_chunk(r, t, counts, offsets, ent, old, take, entries, c)
+    return dsumsq
+
+
+@njit(fastmath={"reassoc"}, nogil=True, cache=True)
+def emit_sparse_small(r, t, counts, offsets, ent, old, take, message, bits):  # pragma: no cover
+    """:func:`emit_sparse` in the calling thread, for few entries (no thread launch)."""
+    _emit_prefix(counts, offsets, message, take, r.size, bits)
+    entries = message[4:]
+    dsumsq = 0.0
+    for c in range(counts.size):
+        dsumsq += _emit_chunk(r, t, counts, offsets, ent, old, take, entries, c)
+    return dsumsq
 
 
 @njit(inline="always")
@@ -216,41 +542,58 @@ def _bitmap_code(v, t, half, zero):  # pragma: no cover - compiled
 
 
 @njit(fastmath={"reassoc"}, **_OPTS)
-def encode_bitmap(r, u, add, t, words, counts, sumsq):  # pragma: no cover - compiled
+def encode_bitmap(r, u, add, t, words, counts, pending, ent, old):  # pragma: no cover
     """Optionally ``r += u``; bitmap-encode ``r`` in place into ``words`` (uint32).
 
-    ``words`` has N//16 + 1 entries with a zeroed last one; ``counts[c]`` receives the number of
-    elements sent, ``sumsq[c]`` the new ``sum(r*r)``.
+    ``words`` has N//16 + 1 entries with a zeroed last one. With ``pending`` the moves of the
+    last :func:`scan` (described by ``counts``, ``ent``, ``old``) are put back chunk by chunk
+    first. Returns ``(elements sent, sum(r*r) after)``.
     """
+    sent = 0
+    sumsq = 0.0
+    for c in prange(counts.size):
+        if pending and counts[c] <= CAP:
+            _restore(r, ent, old, c * STRIDE, c * STRIDE + counts[c])
+        cs, ss = _bitmap_chunk(r, u, add, t, c, words)
+        counts[c] = cs
+        sent += cs
+        sumsq += ss
+    return sent, sumsq
+
+
+@njit(fastmath={"reassoc"}, nogil=True, cache=True)
+def _bitmap_chunk(r, u, add, t, c, words):  # pragma: no cover - compiled
+    """The work of :func:`encode_bitmap` for chunk ``c``: returns (sent, sum of squares)."""
     n = r.size
     half = t / 2
     zero = t - t
-    for c in prange(counts.size):
-        lo = c * CHUNK
-        hi = min(lo + CHUNK, n)
-        rs = r[lo:hi]
-        us = u[lo:hi]
-        ws = words[lo // 16 : (hi + 15) // 16]
-        m = hi - lo
-        sent = 0
-        ss = 0.0
-        for w in range((m + 15) // 16):
-            width = min(16, m - w * 16)
-            rb = rs[w * 16 : w * 16 + width]
-            ub = us[w * 16 : w * 16 + width]
-            acc = np.uint32(0)
-            bs = zero
-            for j in range(width):
-                v = rb[j] + ub[j] if add else rb[j]
-                nv, mag, sgn = _bitmap_code(v, t, half, zero)
-                rb[j] = nv
-                bs += nv * nv
-                sent += mag | sgn
-                acc |= (np.uint32(mag) << np.uint32(j)) | (np.uint32(sgn) << np.uint32(j + 16))
-            ws[w] = acc
-            ss += bs
-        counts[c] = sent
-        sumsq[c] = ss
+    lo = c * CHUNK
+    hi = min(lo + CHUNK, n)
+    m = hi - lo
+    cs = 0
+    ss = 0.0
+    for b in range(m // SUPER):
+        if add:
+            k, bs = _bitmap_add(r, u, lo + b * SUPER, t, words)
+        else:
+            k, bs = _bitmap_in_place(r, u, lo + b * SUPER, t, words)
+        cs += k
+        ss += bs
+    rs = r[lo:hi]
+    us = u[lo:hi]
+    ws = words[lo // 16 : (hi + 15) // 16]
+    for w in range((m - m % SUPER) // 16, (m + 15) // 16):
+        acc = np.uint32(0)
+        for j in range(min(16, m - w * 16)):
+            g = w * 16 + j
+            v = rs[g] + us[g] if add else rs[g]
+            nv, mag, sgn = _bitmap_code(v, t, half, zero)
+            rs[g] = nv
+            ss += nv * nv
+            cs += mag | sgn
+            acc |= (np.uint32(mag) << np.uint32(j)) | (np.uint32(sgn) << np.uint32(j + 16))
+        ws[w] = acc
+    return cs, ss
 
 
 @njit(**_OPTS)

@@ -27,6 +27,8 @@ Example::
 
 from __future__ import annotations
 
+import math
+import struct
 import threading
 from dataclasses import dataclass
 from types import ModuleType
@@ -43,6 +45,7 @@ __all__ = [
     "MessageError",
     "MessageInfo",
     "bitmap_length",
+    "check_message",
     "decode_",
     "encode_bitmap_",
     "encode_sparse_",
@@ -135,15 +138,20 @@ def float32_threshold(threshold: float) -> float:
 
 
 def _threshold_bits(t: float) -> int:
-    return int(np.float32(t).view(np.int32))
+    """The int32 reading of ``t``'s float32 bits (t already float32-representable)."""
+    return int(_I32.unpack(_F32.pack(t))[0])
 
 
-def _header(first: int, numel: int, t: float, fmt: int) -> list[int]:
-    return [first, numel, _threshold_bits(t), fmt]
+_F32 = struct.Struct("<f")
+_I32 = struct.Struct("<i")
+
+
+_SMALL = 1 << 14
+"""Sparse messages with fewer entries decode in one serial kernel call (``_kernels.SMALL``)."""
 
 
 def _use_kernels(x: torch.Tensor) -> bool:
-    return x.device.type == "cpu" and x.dtype in _KERNEL_DTYPES
+    return x.is_cpu and x.dtype in _KERNEL_DTYPES
 
 
 _kernels_module: ModuleType | None = None
@@ -184,12 +192,20 @@ def find_nonfinite(x: torch.Tensor) -> tuple[int, int]:
 
 
 class Workspace:
-    """Reusable buffers of a two-pass sparse encode: count first, then emit.
+    """Reusable buffers of a two-step sparse encode: count first, then emit.
 
     ``scan_`` optionally adds an update into the residual and counts the elements that qualify
-    (``|x| >= t``); nothing else changes, so a caller can still choose the format. ``emit_``
-    then writes the first ``limit`` of them into a message. One workspace serves one residual
-    at a time; :class:`gradshare.Encoder` owns one, the plain codec functions keep one per thread.
+    (``|x| >= t``); ``emit_`` then writes the first ``limit`` of them into a message, or
+    ``bitmap_`` encodes the residual as a bitmap instead. Logically nothing but the addition
+    happens in ``scan_``, so a caller can still choose the format from the count.
+
+    On the fused CPU path ``scan_`` works ahead: it already moves the qualifying elements while
+    they are in cache and records their old values, and the next call on this workspace
+    (``emit_``, ``bitmap_``, ``scan_`` or :meth:`settle_`) keeps or exactly undoes those moves;
+    with fewer than 2 qualifying elements ``scan_`` undoes them itself. So between ``scan_`` and
+    that next call the residual must not be read or written by anything else. One workspace
+    serves one residual at a time; :class:`gradshare.Encoder` owns one, the plain codec
+    functions keep one per thread.
     """
 
     def __init__(self) -> None:
@@ -199,37 +215,77 @@ class Workspace:
         """``sum(r*r)`` of the residual after the last scan, emit or bitmap."""
         self._t = 0.0
         self._n = 0
+        self._ts: Any = None
+        """t as a numpy scalar of the residual's type, and its float32 bits (fused path)."""
+        self._bits = 0
         self._capacity = 0
         self._idx: torch.Tensor | None = None
         self._counts = np.zeros(0, np.int64)
-        self._sums = np.zeros(0, np.float64)
         self._offsets = np.zeros(0, np.int64)
-        self._cand = np.zeros(0, np.int32)
+        self._ent = np.zeros(0, np.int32)
+        self._old: dict[Any, np.ndarray] = {}
+        self._fit: tuple[int, Any, int, np.ndarray, np.ndarray, np.ndarray] | None = None
+        """(N, dtype, chunks, counts, offsets, old) of the last size served."""
+        self._pending: tuple[torch.Tensor, np.ndarray] | None = None
+        """(residual, its array) while the moves of the last scan are not settled."""
 
-    def _reserve(self, n: int) -> int:
+    def _reserve(self, n: int, dtype: Any) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
+        """(chunks, counts, offsets, old) for N elements of ``dtype``; grows the buffers."""
+        fit = self._fit
+        if fit is not None and fit[0] == n and fit[1] == dtype:
+            return fit[2], fit[3], fit[4], fit[5]
         k = _k()
         nch = k.num_chunks(n)
         if nch > self._capacity:
             self._capacity = nch
             self._counts = np.zeros(nch, np.int64)
-            self._sums = np.zeros(nch, np.float64)
             self._offsets = np.zeros(nch, np.int64)
-            self._cand = np.zeros(nch * k.CAP, np.int32)
-        return nch
+            self._ent = np.zeros(nch * k.STRIDE, np.int32)
+            self._old = {}
+        old = self._old.get(dtype)
+        if old is None:
+            old = self._old[dtype] = np.zeros(self._capacity * k.STRIDE, dtype)
+        self._fit = (n, dtype, nch, self._counts[:nch], self._offsets[:nch], old)
+        return self._fit[2:]
+
+    def _scalar(self, t: float, dtype: Any) -> Any:
+        """t as a numpy scalar of ``dtype`` (cached, with its header bits in ``_bits``)."""
+        ts = self._ts
+        if ts is None or type(ts) is not dtype.type or ts != t:
+            ts = self._ts = dtype.type(t)
+            self._bits = _threshold_bits(t)
+        return ts
+
+    def settle_(self) -> None:
+        """Undo the moves a fused ``scan_`` made ahead, if no ``emit_``/``bitmap_`` followed."""
+        if self._pending is not None:
+            r = self._pending[1]
+            self._pending = None
+            _, counts, _, old = self._reserve(r.size, r.dtype)
+            with _kernel_lock:
+                _k().undo(r, counts, self._ent, old)
 
     def scan_(self, residual: torch.Tensor, update: torch.Tensor | None, t: float) -> int:
         """``residual += update`` (if given); count and remember the elements with ``|x| >= t``."""
-        self._t, self._n = t, residual.numel()
+        if self._pending is not None:
+            self.settle_()
+        n = residual.numel()
         if _use_kernels(residual):
-            nch = self._reserve(self._n)
-            r = residual.detach().numpy()
-            u = r if update is None else update.detach().numpy()
-            counts, sums = self._counts[:nch], self._sums[:nch]
+            r = _array(residual)
+            u = r if update is None else _array(update)
+            _, counts, _, old = self._reserve(n, r.dtype)
+            ts = self._scalar(t, r.dtype)
+            self._t, self._n = t, n
             with _kernel_lock:
-                _k().scan(r, u, update is not None, _scalar(t, residual), counts, sums, self._cand)
-            self.count = int(counts.sum())
-            self.sumsq = float(sums.sum())
-            return self.count
+                count, sumsq = _k().scan(r, u, update is not None, ts, counts, self._ent, old)
+            self.count, self.sumsq = count, sumsq
+            if count >= 2:
+                self._pending = (residual, r)
+            elif count:
+                self._pending = (residual, r)
+                self.settle_()
+            return count
+        self._t, self._n = t, n
         if update is not None:
             residual.add_(update)
         x = residual.detach().float() if residual.dtype not in _KERNEL_DTYPES else residual.detach()
@@ -238,32 +294,44 @@ class Workspace:
         self.sumsq = float(x.double().square().sum())
         return self.count
 
+    def _take_pending(self, residual: torch.Tensor) -> np.ndarray:
+        """The array of ``residual`` with the moves of its last scan made (re-made if settled)."""
+        pend = self._pending
+        self._pending = None
+        if pend is not None and _same(pend[0], residual):
+            return pend[1]
+        if pend is not None:
+            self._pending = pend
+            self.settle_()
+        r = _array(residual)
+        _, counts, _, old = self._reserve(r.size, r.dtype)
+        ts = self._scalar(self._t, r.dtype)
+        with _kernel_lock:
+            _k().scan(r, r, False, ts, counts, self._ent, old)
+        return r
+
     def emit_(self, residual: torch.Tensor, limit: int | None = None) -> torch.Tensor:
         """Encode the first ``limit`` (default all) elements found by the last scan."""
         t, n = self._t, self._n
-        take = self.count if limit is None else min(self.count, limit)
-        message = torch.empty(sparse_length(take), dtype=torch.int32, device=residual.device)
-        message[:HEADER_WORDS] = torch.tensor(_header(take, n, t, FLEXIBLE_ENCODING))
+        count = self.count
+        take = count if limit is None or limit >= count else limit
         if _use_kernels(residual):
-            nch = _k().num_chunks(n)
-            counts = self._counts[:nch]
-            offsets = self._offsets[:nch]
-            np.cumsum(counts, out=offsets)
-            offsets -= counts
-            dsums = self._sums[:nch]
+            message = torch.empty(take + HEADER_WORDS, dtype=torch.int32)
+            r = self._take_pending(residual)
+            _, counts, offsets, old = self._reserve(n, r.dtype)
+            ts = self._scalar(t, r.dtype)
+            k = _k()
+            kernel = k.emit_sparse_small if count < k.SMALL else k.emit_sparse
             with _kernel_lock:
-                _k().emit_sparse(
-                    residual.detach().numpy(),
-                    _scalar(t, residual),
-                    counts,
-                    offsets,
-                    self._cand,
-                    take,
-                    message.numpy()[HEADER_WORDS:],
-                    dsums,
+                dsumsq = kernel(
+                    r, ts, counts, offsets, self._ent, old, take, message.numpy(), self._bits
                 )
-            self.sumsq += float(dsums.sum())
+            self.sumsq += dsumsq
             return message
+        message = torch.empty(take + HEADER_WORDS, dtype=torch.int32, device=residual.device)
+        if self._pending is not None:
+            self.settle_()
+        _write_header(message, take, n, t, FLEXIBLE_ENCODING)
         assert self._idx is not None
         idx = self._idx[:take]
         x = residual[idx]
@@ -281,26 +349,60 @@ class Workspace:
         """``residual += update`` (if given), bitmap-encode it in place; return message, sent."""
         n = residual.numel()
         message = torch.empty(bitmap_length(n), dtype=torch.int32, device=residual.device)
-        message[:HEADER_WORDS] = torch.tensor(_header(n, n, t, BITMAP_ENCODING))
+        pend = self._pending
+        pending = pend is not None and _same(pend[0], residual)
+        if pend is not None and not (pending and _use_kernels(residual)):
+            self.settle_()
+            pending = False
+        self._pending = None
         if _use_kernels(residual):
-            nch = self._reserve(n)
-            words = message.numpy()[HEADER_WORDS:].view(np.uint32)
-            words[-1] = 0
-            counts, sums = self._counts[:nch], self._sums[:nch]
-            r = residual.detach().numpy()
-            u = r if update is None else update.detach().numpy()
+            r = _array(residual)
+            u = r if update is None else _array(update)
+            _, counts, _, old = self._reserve(n, r.dtype)
+            ts = self._scalar(t, r.dtype)
+            msg = message.numpy()
+            msg[:HEADER_WORDS] = (n, n, self._bits, BITMAP_ENCODING)
+            msg[-1] = 0
             with _kernel_lock:
-                _k().encode_bitmap(
-                    r, u, update is not None, _scalar(t, residual), words, counts, sums
+                sent, sumsq = _k().encode_bitmap(
+                    r,
+                    u,
+                    update is not None,
+                    ts,
+                    msg[HEADER_WORDS:].view(np.uint32),
+                    counts,
+                    pending,
+                    self._ent,
+                    old,
                 )
-            self.sumsq = float(sums.sum())
-            return message, int(counts.sum())
+            self.sumsq = sumsq
+            return message, sent
+        _write_header(message, n, n, t, BITMAP_ENCODING)
         if update is not None:
             residual.add_(update)
         payload, sent, sumsq = _torch_bitmap_(residual, t)
         message[HEADER_WORDS:] = payload
         self.sumsq = sumsq
         return message, sent
+
+
+def _array(x: torch.Tensor) -> np.ndarray:
+    """The numpy view of a CPU tensor (no copy)."""
+    return (x.detach() if x.requires_grad else x).numpy()
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a is b or (
+        a.data_ptr() == b.data_ptr() and a.numel() == b.numel() and a.dtype == b.dtype
+    )
+
+
+def _write_header(message: torch.Tensor, first: int, numel: int, t: float, fmt: int) -> None:
+    header = (first, numel, _threshold_bits(t), fmt)
+    if message.device.type == "cpu":
+        message.numpy()[:HEADER_WORDS] = header
+    else:
+        message[:HEADER_WORDS] = torch.tensor(header, dtype=torch.int32)
 
 
 def _torch_bitmap_(residual: torch.Tensor, t: float) -> tuple[torch.Tensor, int, float]:
@@ -392,6 +494,11 @@ def encode_bitmap_(residual: torch.Tensor, threshold: float) -> torch.Tensor:
 
 
 def _check_message(message: Any) -> list[int]:
+    return _read_message(message)[0]
+
+
+def _read_message(message: Any) -> tuple[list[int], np.ndarray | None]:
+    """(header words, the numpy view of a CPU message or None) after the basic checks."""
     if not isinstance(message, torch.Tensor):
         raise MessageError(f"Expect a message tensor, got {type(message).__name__}.")
     if message.dtype != torch.int32 or message.dim() != 1 or not message.is_contiguous():
@@ -403,7 +510,10 @@ def _check_message(message: Any) -> list[int]:
         raise MessageError(
             f"Expect a message of at least {HEADER_WORDS} header words, got {message.numel()}."
         )
-    return [int(v) for v in message[:HEADER_WORDS].tolist()]
+    if message.is_cpu:
+        words = message.numpy()
+        return words[:HEADER_WORDS].tolist(), words
+    return [int(v) for v in message[:HEADER_WORDS].tolist()], None
 
 
 def _parse_header(header: list[int], length: int) -> tuple[int, int, float]:
@@ -414,8 +524,8 @@ def _parse_header(header: list[int], length: int) -> tuple[int, int, float]:
             f"Unknown format id {fmt} in word 3: expect {FLEXIBLE_ENCODING} (sparse) "
             f"or {BITMAP_ENCODING} (bitmap)."
         )
-    t = float(np.int32(bits).view(np.float32))
-    if not (np.isfinite(t) and t > 0):
+    t = float(_F32.unpack(_I32.pack(bits))[0])
+    if not (math.isfinite(t) and t > 0):
         raise MessageError(f"Expect a finite threshold > 0 in word 2, got {t!r} (bits {bits}).")
     if numel < 1:
         raise MessageError(f"Expect N >= 1 in word 1, got {numel}.")
@@ -450,7 +560,7 @@ def message_info(message: torch.Tensor) -> MessageInfo:
     return MessageInfo(fmt, entries, numel, t, message.numel() * 4)
 
 
-def _fault_text(entries: torch.Tensor, k: int, numel: int) -> str:
+def _fault_text(entries: Any, k: int, numel: int) -> str:
     e = int(entries[k])
     if e == 0:
         return f"entry {k} is 0; entries are ±(i+1), never 0"
@@ -490,6 +600,33 @@ def _check_bitmap_tail(words: torch.Tensor, numel: int) -> None:
         )
 
 
+def check_message(message: torch.Tensor, numel: int) -> MessageInfo:
+    """Validate ``message`` whole for a vector of ``numel`` elements, writing nothing.
+
+    Runs every check :func:`decode_` runs before it writes, so a message that passes here
+    decodes without error. Queues that hold messages for later (``IndexedTail``) call it on
+    arrival, so that a bad message is refused at the door rather than half-applied later.
+
+    Raises:
+        MessageError: naming the first fault found.
+    """
+    header = _check_message(message)
+    fmt, _, t = _parse_header(header, message.numel())
+    if header[1] != numel:
+        raise MessageError(
+            f"Message encodes N = {header[1]} elements, but the vector has {numel}: "
+            "it was made for another vector."
+        )
+    payload = message[HEADER_WORDS:]
+    if fmt == FLEXIBLE_ENCODING:
+        k = _first_bad_sparse(payload, numel)
+        if k >= 0:
+            raise MessageError("Invalid sparse message: " + _fault_text(payload, k, numel) + ".")
+        return MessageInfo(fmt, header[0], numel, t, message.numel() * 4)
+    _check_bitmap_tail(payload, numel)
+    return message_info(message)
+
+
 def decode_(message: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Add the decoded ``message`` into ``target`` in place and return ``target``.
 
@@ -505,7 +642,7 @@ def decode_(message: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
             f"Expect the message and `target` on one device, got {message.device} and "
             f"{target.device}: move the message with `.to(target.device)`."
         )
-    header = _check_message(message)
+    header, words = _read_message(message)
     fmt, _, t = _parse_header(header, message.numel())
     numel = target.numel()
     if header[1] != numel:
@@ -513,15 +650,20 @@ def decode_(message: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
             f"Message encodes N = {header[1]} elements, but `target` has {numel}: "
             "it was made for another vector."
         )
-    payload = message[HEADER_WORDS:]
-    if fmt == FLEXIBLE_ENCODING and _use_kernels(target) and payload.numel() < _k().SMALL:
+    if (
+        fmt == FLEXIBLE_ENCODING
+        and words is not None
+        and words.size - HEADER_WORDS < _SMALL
+        and _use_kernels(target)
+    ):
+        entries = words[HEADER_WORDS:]
         with _kernel_lock:
-            k = _k().decode_sparse_small(
-                payload.numpy(), numel, _scalar(t, target), target.detach().numpy()
-            )
+            k = _k().decode_sparse_small(entries, numel, _scalar(t, target), _array(target))
         if k >= 0:
-            raise MessageError("Invalid sparse message: " + _fault_text(payload, k, numel) + ".")
-    elif fmt == FLEXIBLE_ENCODING:
+            raise MessageError("Invalid sparse message: " + _fault_text(entries, k, numel) + ".")
+        return target
+    payload = message[HEADER_WORDS:]
+    if fmt == FLEXIBLE_ENCODING:
         k = _first_bad_sparse(payload, numel)
         if k >= 0:
             raise MessageError("Invalid sparse message: " + _fault_text(payload, k, numel) + ".")
