@@ -8,7 +8,11 @@ replica applies the same decoded sum.
 Importing gradshare starts nothing: no CUDA, no numba compilation, no process group.
 """
 
-from gradshare.accumulator import optimal_buffer_size
+from gradshare.accumulator import (
+    AccumulatorError,
+    EncodedGradientsAccumulator,
+    optimal_buffer_size,
+)
 from gradshare.codec import (
     BITMAP_ENCODING,
     FLEXIBLE_ENCODING,
@@ -20,7 +24,9 @@ from gradshare.codec import (
     message_info,
 )
 from gradshare.encoder import Encoder, EncodeStats
+from gradshare.parallel import ParallelWrapper, StepStats
 from gradshare.residual import NoResidualProcessing, ResidualClipping, ResidualPostProcessor
+from gradshare.tail import IndexedTail
 from gradshare.threshold import (
     AdaptiveThreshold,
     FixedThreshold,
@@ -52,6 +58,12 @@ __all__ = [
     "NoResidualProcessing",
     "ResidualClipping",
     "ResidualPostProcessor",
-    # sizing
+    # N local parties
+    "AccumulatorError",
+    "EncodedGradientsAccumulator",
+    "IndexedTail",
     "optimal_buffer_size",
+    # the local multi-worker trainer
+    "ParallelWrapper",
+    "StepStats",
 ]

@@ -43,6 +43,7 @@ __all__ = [
     "MessageError",
     "MessageInfo",
     "bitmap_length",
+    "check_message",
     "decode_",
     "encode_bitmap_",
     "encode_sparse_",
@@ -488,6 +489,33 @@ def _check_bitmap_tail(words: torch.Tensor, numel: int) -> None:
             f"Bitmap word {HEADER_WORDS + numel // 16} sets bits for elements at or past N = "
             f"{numel}: only the low {used} magnitude and sign bits may be set."
         )
+
+
+def check_message(message: torch.Tensor, numel: int) -> MessageInfo:
+    """Validate ``message`` whole for a vector of ``numel`` elements, writing nothing.
+
+    Runs every check :func:`decode_` runs before it writes, so a message that passes here
+    decodes without error. Queues that hold messages for later (``IndexedTail``) call it on
+    arrival, so that a bad message is refused at the door rather than half-applied later.
+
+    Raises:
+        MessageError: naming the first fault found.
+    """
+    header = _check_message(message)
+    fmt, _, t = _parse_header(header, message.numel())
+    if header[1] != numel:
+        raise MessageError(
+            f"Message encodes N = {header[1]} elements, but the vector has {numel}: "
+            "it was made for another vector."
+        )
+    payload = message[HEADER_WORDS:]
+    if fmt == FLEXIBLE_ENCODING:
+        k = _first_bad_sparse(payload, numel)
+        if k >= 0:
+            raise MessageError("Invalid sparse message: " + _fault_text(payload, k, numel) + ".")
+        return MessageInfo(fmt, header[0], numel, t, message.numel() * 4)
+    _check_bitmap_tail(payload, numel)
+    return message_info(message)
 
 
 def decode_(message: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
