@@ -236,7 +236,9 @@ class ParallelWrapper:
         acc.store_update(w, update, iteration, self.epoch)
         acc.apply_update(w, flat)
         share = time.perf_counter() - start - compute
-        return _stats(acc, w, self.epoch, iteration, float(loss), compute, share, flat.numel())
+        return _stats(
+            acc, w, self.epoch, iteration, float(loss.detach()), compute, share, flat.numel()
+        )
 
     # ------------------------------------------------------------------ evaluation
 
