@@ -23,6 +23,8 @@ from gradshare.codec import (
     encode_sparse_,
     message_info,
 )
+from gradshare.ddp_hook import ThresholdHookState, register_threshold_hook, threshold_hook
+from gradshare.distributed import ExchangeError, SharedOptimizer, exchange_messages
 from gradshare.encoder import Encoder, EncodeStats
 from gradshare.parallel import ParallelWrapper, StepStats
 from gradshare.residual import NoResidualProcessing, ResidualClipping, ResidualPostProcessor
@@ -66,4 +68,12 @@ __all__ = [
     # the local multi-worker trainer
     "ParallelWrapper",
     "StepStats",
+    # across processes: torch.distributed
+    "ExchangeError",
+    "SharedOptimizer",
+    "exchange_messages",
+    # for DDP users
+    "ThresholdHookState",
+    "register_threshold_hook",
+    "threshold_hook",
 ]
