@@ -16,7 +16,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
-from world import spawn
 
 from gradshare import (
     AdaptiveThreshold,
@@ -26,17 +25,8 @@ from gradshare import (
 )
 from gradshare.datasets import mlp
 
-
-def toy_batches(count: int, batch: int = 8, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(seed)
-    return [
-        (torch.randn(batch, 10, generator=g), torch.randint(0, 3, (batch,), generator=g))
-        for _ in range(count)
-    ]
-
-
-def flat(model: nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+from toys import flat, toy_batches
+from world import spawn
 
 
 def digest(model: nn.Module) -> str:
@@ -101,7 +91,9 @@ def _rank_sizes(rank: int, world: int) -> None:
 
 def _rank_corrupt(rank: int, world: int) -> torch.Tensor:
     model = mlp(10, 3, hidden=16, seed=0)
-    opt = SharedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), threshold=FixedThreshold(1e-4))
+    opt = SharedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), threshold=FixedThreshold(1e-4)
+    )
     before = flat(model)
     if rank == 1:
         encode = opt.encoder.encode
@@ -193,5 +185,3 @@ def test_needs_a_process_group() -> None:
     assert not dist.is_initialized()
     with pytest.raises(RuntimeError, match="init_process_group"):
         SharedOptimizer(torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1))
-
-

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
 from torch.nn import functional as F
 
 from gradshare import (
@@ -22,25 +21,9 @@ from gradshare import (
 )
 from gradshare.datasets import digits, minibatches, mlp
 
+from toys import flat, toy_batches, toy_model
+
 SGD = lambda params: torch.optim.SGD(params, lr=0.1)
-
-
-def toy_batches(
-    count: int, batch: int = 8, seed: int = 0
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(seed)
-    return [
-        (torch.randn(batch, 10, generator=g), torch.randint(0, 3, (batch,), generator=g))
-        for _ in range(count)
-    ]
-
-
-def toy_model(seed: int = 0) -> nn.Module:
-    return mlp(10, 3, hidden=16, seed=seed)
-
-
-def flat(model: nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
 class TestReplicas:

@@ -42,7 +42,9 @@ class RankResult:
         return self.value
 
 
-def _entry(fn: Callable[..., Any], rank: int, world: int, tmp: str, args: tuple, pg_s: float) -> None:
+def _entry(
+    fn: Callable[..., Any], rank: int, world: int, tmp: str, args: tuple, pg_s: float
+) -> None:
     torch.set_num_threads(1)
     out = Path(tmp) / f"rank{rank}.pt"
     start = time.monotonic()
@@ -81,7 +83,9 @@ def spawn(
             if p.is_alive():
                 p.kill()
                 p.join()
-                results.append(RankResult(r, error="Hang", message=f"still running after {timeout} s"))
+                results.append(
+                    RankResult(r, error="Hang", message=f"still running after {timeout} s")
+                )
                 continue
             path = Path(tmp) / f"rank{r}.pt"
             if path.exists():

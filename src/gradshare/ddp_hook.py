@@ -6,8 +6,6 @@ all-reduce of each gradient bucket becomes an exchange of threshold-encoded mess
 optimizer's update, and the hook returns the mean of the decoded gradients, as DDP expects.
 """
 
-from __future__ import annotations
-
 import copy
 from datetime import timedelta
 from typing import Any
@@ -26,15 +24,24 @@ from gradshare.threshold import AdaptiveThreshold, ThresholdAlgorithm
 __all__ = ["ThresholdHookState", "register_threshold_hook", "threshold_hook"]
 
 
+Slot = tuple[int, int, int]
+"""A parameter in a bucket's residual: its place in DDP's first-iteration buckets (bucket
+index, position in it), which is the same in every process, and its number of elements."""
+
+
 class ThresholdHookState:
     """Settings, per-bucket residuals and stats of :func:`threshold_hook`; checkpoints per rank.
 
-    Residuals are keyed by bucket index. DDP rebuilds its buckets once, after the first
-    iteration, from the order in which gradients became ready, so a bucket's index can point
-    at other parameters in iteration 0 than later. The hook therefore all-reduces exact dense
-    gradients for the first ``start_iter`` iterations (at least 1, so no residual is made for a
-    bucket that is about to be rebuilt) and encodes from then on; a bucket whose size changes
-    after that is an error, not a silent loss of its residual.
+    How DDP's bucket rebuild is handled: DDP lays its buckets out once from the parameter order
+    (iteration 0 of every DDP instance), then rebuilds them after the first iteration from the
+    order in which gradients became ready. Each parameter is therefore named by its place in
+    the first-iteration layout, ``(bucket index, position)``, which is the same in every
+    process, and each bucket's residual records the parameters it holds, in order. When a
+    bucket arrives with another layout (the rebuild, or a restored checkpoint meeting a fresh
+    DDP's first iteration), its residual is reassembled parameter by parameter from wherever
+    those parameters' residuals are: nothing is lost and a resumed run continues bit for bit.
+    By default the first iteration all-reduces exact gradients (``start_iter=1``), as the
+    PowerSGD hook does.
 
     Pickling (``torch.save``) leaves out the process group; every rank saves and restores its
     own residuals with :meth:`state_dict` / :meth:`load_state_dict`.
@@ -44,7 +51,7 @@ class ThresholdHookState:
         threshold: the threshold algorithm, cloned for each bucket.
         post_processor: residual post-processing (applied per bucket).
         boundary: the most entries a sparse message may carry.
-        start_iter: iterations of exact all-reduce before encoding starts (>= 1).
+        start_iter: iterations of exact all-reduce before encoding starts (>= 0).
         timeout: how long a collective may wait for the other ranks.
     """
 
@@ -58,7 +65,11 @@ class ThresholdHookState:
         "timeout",
         # state
         "encoders",
+        "layouts",
+        "loose",
         "iteration",
+        "_keys",
+        "_first_pass",
         # stats
         "bytes_sent",
         "dense_bytes",
@@ -79,11 +90,8 @@ class ThresholdHookState:
             raise TypeError(
                 f"Expect `threshold` to be a ThresholdAlgorithm, got {type(threshold).__name__}."
             )
-        if isinstance(start_iter, bool) or not isinstance(start_iter, int) or start_iter < 1:
-            raise ValueError(
-                f"Expect `start_iter` >= 1, got {start_iter!r}, because DDP rebuilds its buckets"
-                " after the first iteration and a residual made before would be lost."
-            )
+        if isinstance(start_iter, bool) or not isinstance(start_iter, int) or start_iter < 0:
+            raise ValueError(f"Expect `start_iter` to be an int >= 0, got {start_iter!r}.")
         codec.check_boundary(boundary)
         self.process_group = process_group
         self.threshold = threshold
@@ -92,53 +100,114 @@ class ThresholdHookState:
         self.start_iter = start_iter
         self.timeout = timedelta(seconds=to_seconds(timeout))
         self.encoders: dict[int, Encoder] = {}
+        self.layouts: dict[int, list[Slot]] = {}
+        """Per bucket index, the parameters its residual holds, in order."""
+        self.loose: dict[tuple[int, int], torch.Tensor] = {}
+        """Residuals of parameters between two layouts (during a rebuild)."""
         self.iteration = 0
+        self._reset_process_local()
         self.bytes_sent = 0
-        """Bytes of the messages this rank sent (dense iterations count 4 per element)."""
+        """Bytes of the messages this rank sent (exact iterations count 4 per element)."""
         self.dense_bytes = 0
         """Bytes the same gradients take dense in float32."""
         self.last_stats: dict[int, Any] = {}
 
-    def encoder(self, bucket_index: int, numel: int) -> Encoder:
-        enc = self.encoders.get(bucket_index)
+    def _reset_process_local(self) -> None:
+        self._keys: dict[int, tuple[int, int]] = {}  # id(parameter) -> place, this process
+        self._first_pass = True
+
+    def _layout(self, bucket: dist.GradBucket) -> list[Slot]:
+        params = bucket.parameters()
+        if self._first_pass:  # DDP's first iteration in this process: the canonical layout
+            for j, p in enumerate(params):
+                self._keys[id(p)] = (bucket.index(), j)
+        try:
+            return [(*self._keys[id(p)], p.numel()) for p in params]
+        except KeyError:
+            raise RuntimeError(
+                "The hook met a parameter it did not see in DDP's first iteration: register "
+                "one ThresholdHookState per DDP model, on a freshly built DDP."
+            ) from None
+
+    def encoder(self, bucket: dist.GradBucket) -> Encoder:
+        """The encoder of ``bucket``, its residual laid out as the bucket is now."""
+        index, layout = bucket.index(), self._layout(bucket)
+        enc = self.encoders.get(index)
         if enc is None:
             enc = Encoder(self.threshold.clone(), _clone(self.post_processor), self.boundary)
-            self.encoders[bucket_index] = enc
-        elif enc.residual is not None and enc.residual.numel() != numel:
-            raise RuntimeError(
-                f"DDP bucket {bucket_index} now holds {numel} elements, its residual "
-                f"{enc.residual.numel()}: the buckets were rebuilt after encoding started. "
-                "Raise `start_iter` past the rebuild."
-            )
+            self.encoders[index] = enc
+        if self.layouts.get(index) != layout:
+            self._relayout(index, layout, bucket.buffer().device)
         return enc
+
+    def _relayout(self, index: int, layout: list[Slot], device: torch.device) -> None:
+        """Reassemble bucket ``index``'s residual for ``layout``, parameter by parameter."""
+        wanted = {slot[:2] for slot in layout}
+        for i, slots in list(self.layouts.items()):  # free every residual holding a wanted one
+            if wanted.isdisjoint(slot[:2] for slot in slots):
+                continue
+            residual, offset = self.encoders[i].residual, 0
+            for b, j, n in slots:
+                if residual is not None:
+                    self.loose[(b, j)] = residual[offset : offset + n].clone()
+                offset += n
+            self.encoders[i].residual = None
+            del self.layouts[i]
+        pieces = [self.loose.pop((b, j), None) for b, j, _ in layout]
+        if any(piece is not None for piece in pieces):
+            self.encoders[index].residual = torch.cat(
+                [
+                    torch.zeros(n, device=device) if piece is None else piece.to(device)
+                    for piece, (_, _, n) in zip(pieces, layout, strict=True)
+                ]
+            )
+        self.layouts[index] = layout
+
+    def end_of_pass(self) -> None:
+        """Called after the last bucket of each iteration."""
+        self._first_pass = False
+        self.iteration += 1
 
     # ------------------------------------------------------------------ checkpointing
 
     def state_dict(self) -> dict[str, Any]:
+        """This rank's residuals (with their layouts), threshold states, counters."""
         return {
             "iteration": self.iteration,
             "bytes_sent": self.bytes_sent,
             "dense_bytes": self.dense_bytes,
             "encoders": {i: e.state_dict() for i, e in self.encoders.items()},
+            "layouts": {i: [list(slot) for slot in slots] for i, slots in self.layouts.items()},
+            "loose": {f"{b},{j}": t.clone() for (b, j), t in self.loose.items()},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict` (into a state registered on a fresh DDP model)."""
         encoders = {}
         for i, saved in state["encoders"].items():
             enc = Encoder(self.threshold.clone(), _clone(self.post_processor), self.boundary)
             enc.load_state_dict(saved)
             encoders[int(i)] = enc
         self.encoders = encoders
+        self.layouts = {
+            int(i): [(int(b), int(j), int(n)) for b, j, n in slots]
+            for i, slots in state["layouts"].items()
+        }
+        self.loose = {}
+        for key, t in state["loose"].items():
+            b, j = key.split(",")
+            self.loose[(int(b), int(j))] = t.clone()
         self.iteration = int(state["iteration"])
         self.bytes_sent = int(state["bytes_sent"])
         self.dense_bytes = int(state["dense_bytes"])
 
     def __getstate__(self) -> dict[str, Any]:
-        state = {k: getattr(self, k) for k in self.__slots__ if k != "process_group"}
-        return state
+        skip = {"process_group", "_keys", "_first_pass"}  # not portable to another process
+        return {k: getattr(self, k) for k in self.__slots__ if k not in skip}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.process_group = None  # the default group of the process that loads it
+        self._reset_process_local()
         for k, v in state.items():
             setattr(self, k, v)
 
@@ -173,6 +242,7 @@ def threshold_hook(
     numel = grad.numel()
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     if state.iteration < state.start_iter:
+        state._layout(bucket)  # learn the canonical layout in the first pass
         out = grad.div(world)
         work = dist.all_reduce(out, group=group, async_op=True)
         _wait(work, state.timeout, "gradient all-reduce", dist.get_rank(group))
@@ -180,7 +250,7 @@ def threshold_hook(
     else:
         message, failure = None, None
         try:
-            enc = state.encoder(index, numel)
+            enc = state.encoder(bucket)
             message = enc.encode(grad, state.iteration)
             state.last_stats[index] = enc.last_stats
         except Exception as e:
@@ -196,7 +266,7 @@ def threshold_hook(
         state.bytes_sent += 0 if message is None else 4 * message.numel()
     state.dense_bytes += 4 * numel
     if bucket.is_last():
-        state.iteration += 1
+        state.end_of_pass()
     fut.set_result(out)
     return fut
 
