@@ -16,8 +16,8 @@ demo: $(STAMP)
 	$(BIN)/gradshare inspect
 
 lint: $(STAMP)
-	$(BIN)/ruff format --check src tests bench
-	$(BIN)/ruff check src tests bench
+	$(BIN)/ruff format --check src tests bench examples
+	$(BIN)/ruff check src tests bench examples
 
 typecheck: $(STAMP)
 	$(BIN)/mypy

@@ -8,7 +8,11 @@ replica applies the same decoded sum.
 Importing gradshare starts nothing: no CUDA, no numba compilation, no process group.
 """
 
-from gradshare.accumulator import optimal_buffer_size
+from gradshare.accumulator import (
+    AccumulatorError,
+    EncodedGradientsAccumulator,
+    optimal_buffer_size,
+)
 from gradshare.codec import (
     BITMAP_ENCODING,
     FLEXIBLE_ENCODING,
@@ -19,8 +23,12 @@ from gradshare.codec import (
     encode_sparse_,
     message_info,
 )
+from gradshare.ddp_hook import ThresholdHookState, register_threshold_hook, threshold_hook
+from gradshare.distributed import ExchangeError, SharedOptimizer, exchange_messages
 from gradshare.encoder import Encoder, EncodeStats
+from gradshare.parallel import ParallelWrapper, StepStats
 from gradshare.residual import NoResidualProcessing, ResidualClipping, ResidualPostProcessor
+from gradshare.tail import IndexedTail
 from gradshare.threshold import (
     AdaptiveThreshold,
     FixedThreshold,
@@ -52,6 +60,20 @@ __all__ = [
     "NoResidualProcessing",
     "ResidualClipping",
     "ResidualPostProcessor",
-    # sizing
+    # N local parties
+    "AccumulatorError",
+    "EncodedGradientsAccumulator",
+    "IndexedTail",
     "optimal_buffer_size",
+    # the local multi-worker trainer
+    "ParallelWrapper",
+    "StepStats",
+    # across processes: torch.distributed
+    "ExchangeError",
+    "SharedOptimizer",
+    "exchange_messages",
+    # for DDP users
+    "ThresholdHookState",
+    "register_threshold_hook",
+    "threshold_hook",
 ]

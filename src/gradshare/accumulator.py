@@ -1,8 +1,42 @@
-"""N parties sharing encoded updates: queues, barrier, external source (SPEC §5)."""
+"""N parties sharing encoded updates: queues, barrier, external source, errors (SPEC §5).
+
+The port of DL4J's ``EncodedGradientsAccumulator``. Each party (a worker thread with its own
+replica) stores its update, which is encoded by that party's :class:`~gradshare.Encoder` and put
+into every party's queue, its own included; the active parties then meet at a barrier, and each
+applies the same decoded sum to its replica. Unlike DL4J, messages are decoded in party order
+(so replicas stay bit-identical), residuals survive epochs and checkpoints, queues are bounded
+with a clear error, and a failing party makes every other one raise instead of hang.
+"""
 
 from __future__ import annotations
 
-__all__ = ["optimal_buffer_size"]
+import copy
+import threading
+import time
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any, Literal
+
+import torch
+
+from gradshare import codec
+from gradshare.encoder import Encoder, EncodeStats
+from gradshare.residual import ResidualPostProcessor
+from gradshare.tail import IndexedTail
+from gradshare.threshold import AdaptiveThreshold, ThresholdAlgorithm
+
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "AccumulatorError",
+    "EncodedGradientsAccumulator",
+    "optimal_buffer_size",
+    "to_seconds",
+]
+
+DEFAULT_TIMEOUT = 1800.0
+"""Seconds a party waits for the others when no timeout is given (torch.distributed's default)."""
+DEFAULT_QUEUE_SIZE = 2
+"""Rounds of messages a party's queue holds when no ``queue_size`` is given (DL4J's default)."""
 
 
 def optimal_buffer_size(num_params: int, num_workers: int, queue_size: int) -> int:
@@ -19,3 +53,327 @@ def optimal_buffer_size(num_params: int, num_workers: int, queue_size: int) -> i
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"Expect `{name}` to be an int >= 1, got {value!r}.")
     return ((num_params // 16) + 65536) * num_workers * queue_size * 4
+
+
+def to_seconds(timeout: float | timedelta | None, name: str = "timeout") -> float:
+    """``timeout`` as seconds (None → :data:`DEFAULT_TIMEOUT`); must be finite and > 0."""
+    if timeout is None:
+        return DEFAULT_TIMEOUT
+    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
+        raise ValueError(f"Expect `{name}` as seconds > 0 or a timedelta, got {timeout!r}.")
+    if seconds == float("inf"):
+        raise ValueError(f"Expect a finite `{name}`: an infinite wait can hang, got {timeout!r}.")
+    return float(seconds)
+
+
+class AccumulatorError(RuntimeError):
+    """Another party failed (or timed out); ``__cause__`` is its original exception."""
+
+
+class EncodedGradientsAccumulator:
+    """Share threshold-encoded updates among ``num_parties`` local parties.
+
+    One round, for each active party ``p`` (each in its own thread):
+
+    1. ``store_update(p, u, iteration)`` adds ``u`` into ``p``'s residual, encodes it and puts
+       the message into every party's queue; then ``p`` waits for the other active parties;
+    2. ``apply_update(p, params)`` decodes, in party order, every message of the rounds ``p``
+       has not applied (and the external source's unread updates) into a zeroed buffer and
+       steps ``params -= buffer`` (``buffer / active parties`` with ``reduction="mean"``).
+
+    So every replica applies ``Σ_w decode(m_w)`` and ``residual_w ← residual_w + u_w -
+    decode(m_w)``. With ``threshold=None`` the exact dense updates are shared instead (the
+    oracle that the encoded mode is compared to).
+
+    Args:
+        num_parties: how many parties (workers) there are.
+        threshold: the threshold algorithm, cloned for each party; None shares dense updates.
+        post_processor: residual post-processing, cloned for each party.
+        boundary: the most entries a sparse message may carry.
+        queue_size: rounds of messages each queue may hold before ``store_update`` raises
+            (default 2, as DL4J); DL4J sizes this memory as :func:`optimal_buffer_size`.
+        reduction: ``"sum"`` (DL4J) or ``"mean"`` over the active parties.
+        timeout: seconds (or a timedelta) a party waits for the others before raising
+            (default :data:`DEFAULT_TIMEOUT`).
+    """
+
+    def __init__(
+        self,
+        num_parties: int,
+        *,
+        threshold: ThresholdAlgorithm | None = AdaptiveThreshold(),  # noqa: B008 - cloned
+        post_processor: ResidualPostProcessor | None = None,
+        boundary: int | None = None,
+        queue_size: int | None = None,
+        reduction: Literal["sum", "mean"] = "sum",
+        timeout: float | timedelta | None = None,
+    ) -> None:
+        if isinstance(num_parties, bool) or not isinstance(num_parties, int) or num_parties < 1:
+            raise ValueError(f"Expect `num_parties` to be an int >= 1, got {num_parties!r}.")
+        if reduction not in ("sum", "mean"):
+            raise ValueError(f'Expect `reduction` "sum" or "mean", got {reduction!r}.')
+        queue_size = DEFAULT_QUEUE_SIZE if queue_size is None else queue_size
+        if isinstance(queue_size, bool) or not isinstance(queue_size, int) or queue_size < 1:
+            raise ValueError(f"Expect `queue_size` to be an int >= 1, got {queue_size!r}.")
+        self.num_parties = num_parties
+        self.dense = threshold is None
+        self.encoders: list[Encoder] | None = None
+        if threshold is not None:
+            self.encoders = [
+                Encoder(threshold.clone(), copy.deepcopy(post_processor), boundary)
+                for _ in range(num_parties)
+            ]
+        self.queue_size = queue_size
+        self.reduction = reduction
+        self.timeout = to_seconds(timeout)
+        self._lock = threading.Lock()
+        self._queues: list[list[tuple[int, int, torch.Tensor]]] = [[] for _ in range(num_parties)]
+        self._buffers: list[torch.Tensor | None] = [None] * num_parties
+        self._external: IndexedTail | None = None
+        self._bypass = False
+        self._consumers = num_parties
+        self._round = 0
+        self._error: BaseException | None = None
+        self._failed_party: int | None = None
+        self._barrier = self._new_barrier(num_parties)
+        self.last_stats: list[EncodeStats | None] = [None] * num_parties
+        """Per party, the stats of its last :meth:`store_update` (None in dense mode)."""
+        self.bytes_sent = [0] * num_parties
+        """Per party, bytes of all messages it stored (dense mode: 4 per element)."""
+        self.timings = {"encode": [0.0] * num_parties, "apply": [0.0] * num_parties}
+        """Per party, seconds spent encoding and decoding+applying, summed over calls."""
+
+    # ------------------------------------------------------------------ round set-up
+
+    def _new_barrier(self, parties: int) -> threading.Barrier:
+        return threading.Barrier(parties, action=self._next_round)
+
+    def _next_round(self) -> None:
+        self._round += 1
+
+    def register_consumers(self, n: int) -> None:
+        """Set how many parties (0 .. n-1) take part in the coming rounds; call between rounds."""
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= self.num_parties:
+            raise ValueError(f"Expect `n` in 1..{self.num_parties} active parties, got {n!r}.")
+        if n != self._consumers:
+            self._barrier = self._new_barrier(n)
+            self._consumers = n
+
+    def fallback_to_single_consumer_mode(self, enabled: bool) -> None:
+        """Skip the barrier (one party only): each store is its own round."""
+        self._bypass = bool(enabled)
+
+    def set_external_source(self, tail: IndexedTail | None) -> None:
+        """Also apply ``tail``'s updates (from other nodes); party ``p`` reads as consumer ``p``."""
+        if tail is not None and tail.expected_consumers < self.num_parties:
+            raise ValueError(
+                f"Expect a tail with >= {self.num_parties} consumers (one per party), got "
+                f"{tail.expected_consumers}."
+            )
+        self._external = tail
+
+    # ------------------------------------------------------------------ errors
+
+    def fail(self, party: int | None, error: BaseException) -> None:
+        """Record ``error`` as the round's failure and wake every waiting party."""
+        with self._lock:
+            if self._error is None:
+                self._error, self._failed_party = error, party
+        self._barrier.abort()
+
+    def _raise_if_failed(self, party: int) -> None:
+        error = self._error
+        if error is not None:
+            who = "a party" if self._failed_party is None else f"party {self._failed_party}"
+            raise AccumulatorError(
+                f"Party {party} stopped because {who} failed: {type(error).__name__}: {error}"
+            ) from error
+
+    def _guarded(self, party: int, fn: Any, *args: Any) -> Any:
+        self._raise_if_failed(party)
+        try:
+            return fn(*args)
+        except AccumulatorError:
+            raise
+        except BaseException as e:
+            self.fail(party, e)
+            raise
+
+    # ------------------------------------------------------------------ a round
+
+    def _check_party(self, party: int) -> None:
+        if isinstance(party, bool) or not isinstance(party, int):
+            raise TypeError(f"Expect `party` to be an int, got {type(party).__name__}.")
+        if not 0 <= party < self.num_parties:
+            raise ValueError(f"Expect `party` in 0..{self.num_parties - 1}, got {party}.")
+
+    def store_update(
+        self, party: int, update: torch.Tensor, iteration: int, epoch: int = 0
+    ) -> torch.Tensor | None:
+        """Encode ``party``'s update, queue the message for every party, wait for the round.
+
+        Returns the message (None when nothing crossed the threshold; the dense copy in dense
+        mode). Raises :class:`AccumulatorError` if another party failed, ``TimeoutError`` if
+        the others did not arrive within ``timeout``.
+        """
+        self._check_party(party)
+        message = self._guarded(party, self._store, party, update, iteration, epoch)
+        if self._bypass:
+            with self._lock:
+                self._round += 1
+            return message
+        try:
+            self._barrier.wait(self.timeout)
+        except threading.BrokenBarrierError:
+            self._raise_if_failed(party)
+            error = TimeoutError(
+                f"Party {party} waited {self.timeout:g} s for {self._consumers} parties at the "
+                "round's barrier: a party is stuck or gone. Raise `timeout` if steps are slow."
+            )
+            self.fail(party, error)
+            raise error from None
+        return message
+
+    def _store(
+        self, party: int, update: torch.Tensor, iteration: int, epoch: int
+    ) -> torch.Tensor | None:
+        start = time.perf_counter()
+        message: torch.Tensor | None
+        if self.encoders is None:
+            flat = update.detach().reshape(-1)
+            codec.check_vector(flat, "update")
+            message = flat.to(torch.float32, copy=True)
+        else:
+            message = self.encoders[party].encode(update, iteration, epoch)
+            self.last_stats[party] = self.encoders[party].last_stats
+        with self._lock:
+            cap = self.queue_size * self.num_parties
+            full = [p for p, q in enumerate(self._queues) if len(q) >= cap]
+            if full:
+                raise RuntimeError(
+                    f"The queue of party {full[0]} holds {cap} messages (`queue_size`="
+                    f"{self.queue_size} rounds of {self.num_parties} parties): it has not "
+                    "applied its updates. Call apply_update for every party each round, or "
+                    "raise `queue_size` (DL4J reserves optimal_buffer_size(num_params, "
+                    "num_workers, queue_size) bytes for these messages)."
+                )
+            if message is not None:
+                for q in self._queues:
+                    q.append((self._round, party, message))
+                self.bytes_sent[party] += message.numel() * 4
+        self.timings["encode"][party] += time.perf_counter() - start
+        return message
+
+    def apply_update(self, party: int, params: torch.Tensor | Sequence[torch.Tensor]) -> int:
+        """Step ``params -= Σ decoded`` for every round ``party`` has not applied; return count.
+
+        ``params`` is the flat parameter vector or a sequence of tensors whose sizes add up to
+        the update's (filled in order). Messages are decoded in round, then party, order.
+        """
+        self._check_party(party)
+        return int(self._guarded(party, self._apply, party, params))
+
+    def _apply(self, party: int, params: torch.Tensor | Sequence[torch.Tensor]) -> int:
+        start = time.perf_counter()
+        tensors = [params] if isinstance(params, torch.Tensor) else list(params)
+        numel = sum(p.numel() for p in tensors)
+        with self._lock:
+            ready = sorted(
+                (m for m in self._queues[party] if m[0] < self._round), key=lambda m: m[:2]
+            )
+        external = self._external is not None and self._external.has_anything(party)
+        if not ready and not external:
+            return 0
+        buffer = self._buffer(party, numel, tensors[0].device)
+        for _, _, message in ready:  # a fault raises here: params and queue are untouched
+            if message.dtype == torch.int32:
+                codec.decode_(message.to(buffer.device), buffer)
+            elif message.numel() != numel:
+                raise ValueError(
+                    f"Expect params of {message.numel()} elements (the updates'), got {numel}."
+                )
+            else:
+                buffer.add_(message.to(buffer.device))
+        with self._lock:
+            taken = {id(m) for m in ready}
+            self._queues[party] = [m for m in self._queues[party] if id(m) not in taken]
+        if external:
+            assert self._external is not None
+            self._external.drain_to(party, buffer)
+        if self.reduction == "mean":
+            buffer.div_(self._consumers)
+        with torch.no_grad():
+            offset = 0
+            for p in tensors:
+                n = p.numel()
+                p.sub_(buffer[offset : offset + n].view_as(p))
+                offset += n
+        self.timings["apply"][party] += time.perf_counter() - start
+        return len(ready)
+
+    def _buffer(self, party: int, numel: int, device: torch.device) -> torch.Tensor:
+        buffer = self._buffers[party]
+        if buffer is None or buffer.numel() != numel or buffer.device != device:
+            buffer = self._buffers[party] = torch.zeros(numel, device=device)
+        else:
+            buffer.zero_()
+        return buffer
+
+    def has_anything(self, party: int) -> bool:
+        """Whether ``party`` has queued messages or unread external updates."""
+        self._check_party(party)
+        with self._lock:
+            if self._queues[party]:
+                return True
+        return self._external is not None and self._external.has_anything(party)
+
+    def reset(self, *, residuals: bool = False) -> None:
+        """Clear queues, the recorded failure and the barrier (and the residuals if asked).
+
+        Residuals are kept by default, so that what was not sent in one ``fit`` is sent in the
+        next (DL4J drops them).
+        """
+        with self._lock:
+            self._queues = [[] for _ in range(self.num_parties)]
+            self._error = self._failed_party = None
+            self._barrier = self._new_barrier(self._consumers)
+            if residuals and self.encoders is not None:
+                for enc in self.encoders:
+                    if enc.residual is not None:
+                        enc.residual.zero_()
+
+    # ------------------------------------------------------------------ checkpointing
+
+    def state_dict(self) -> dict[str, Any]:
+        """Every party's encoder state, queued messages, round and byte counters."""
+        with self._lock:
+            return {
+                "num_parties": self.num_parties,
+                "dense": self.dense,
+                "encoders": None
+                if self.encoders is None
+                else [e.state_dict() for e in self.encoders],
+                "queues": [[(r, p, m.clone()) for r, p, m in q] for q in self._queues],
+                "round": self._round,
+                "bytes_sent": list(self.bytes_sent),
+            }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict`; on a mismatch raise and change nothing."""
+        if state.get("num_parties") != self.num_parties or state.get("dense") != self.dense:
+            raise ValueError(
+                f"Checkpoint is of {state.get('num_parties')} parties (dense="
+                f"{state.get('dense')}), this accumulator has {self.num_parties} (dense="
+                f"{self.dense}): build it with the same settings."
+            )
+        if self.encoders is not None:
+            probes = [copy.deepcopy(e) for e in self.encoders]
+            for probe, saved in zip(probes, state["encoders"], strict=True):
+                probe.load_state_dict(saved)
+            for enc, saved in zip(self.encoders, state["encoders"], strict=True):
+                enc.load_state_dict(saved)
+        with self._lock:
+            self._queues = [[(r, p, m.clone()) for r, p, m in q] for q in state["queues"]]
+            self._round = int(state["round"])
+            self.bytes_sent = list(state["bytes_sent"])

@@ -1,0 +1,123 @@
+"""Train an MLP on digits with SharedOptimizer: one process per worker, launched by torchrun.
+
+    torchrun --standalone --nproc_per_node=2 examples/torchrun_shared.py
+    torchrun --standalone --nproc_per_node=2 examples/torchrun_shared.py \
+        --checkpoint-dir ckpt --save-every 10     # kill it, run it again: it resumes
+
+Each rank trains on its own share of every epoch's minibatches; the optimizer's updates are
+threshold-encoded, exchanged over torch.distributed (gloo on CPU, NCCL on CUDA) and applied
+alike on every rank. With ``--checkpoint-dir`` every rank saves its own state (model,
+optimizer, residual, threshold) every ``--save-every`` steps and resumes from the newest step
+that every rank saved.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.nn import functional as F
+
+from gradshare import AdaptiveThreshold, SharedOptimizer
+from gradshare.datasets import digits, minibatches, mlp
+
+
+def schedule(split, epochs: int, batch_size: int, rank: int, world: int) -> list:
+    """This rank's minibatches, in order: every epoch shuffled alike on all ranks, dealt out.
+
+    Every rank gets as many steps (a remainder that cannot go round is dropped), since each
+    step is a collective that every rank must join.
+    """
+    out = []
+    for epoch in range(epochs):
+        batches = minibatches(split.x_train, split.y_train, batch_size, seed=epoch)
+        out += batches[: len(batches) // world * world][rank::world]
+    return out
+
+
+def latest_complete(ckpt: Path, world: int) -> int:
+    """The newest step for which every rank's checkpoint exists (0 if none)."""
+    steps = []
+    for d in ckpt.glob("step*"):
+        if all((d / f"rank{r}.pt").exists() for r in range(world)):
+            steps.append(int(d.name[4:]))
+    return max(steps, default=0)
+
+
+def save(ckpt: Path, step: int, rank: int, model, opt: SharedOptimizer) -> None:
+    d = ckpt / f"step{step:06d}"
+    d.mkdir(parents=True, exist_ok=True)
+    tmp = d / f".rank{rank}.pt"
+    torch.save({"step": step, "model": model.state_dict(), "optimizer": opt.state_dict()}, tmp)
+    tmp.rename(d / f"rank{rank}.pt")  # atomic: a rank file exists only when complete
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--epochs", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=None, help="stop after this many steps")
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--lr", type=float, default=0.1)
+    parser.add_argument("--threshold", type=float, default=1e-3, help="adaptive, initial value")
+    parser.add_argument("--checkpoint-dir", type=Path, default=None)
+    parser.add_argument("--save-every", type=int, default=10)
+    parser.add_argument("--out", type=Path, default=None, help="rank 0 saves the parameters")
+    parser.add_argument("--crash-at-step", type=int, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    split = digits(seed=0)
+    model = mlp(split.num_features, split.num_classes, hidden=256, seed=0)
+    opt = SharedOptimizer(  # the one line that changes: wrap the optimizer
+        torch.optim.SGD(model.parameters(), lr=args.lr),
+        threshold=AdaptiveThreshold(args.threshold),
+    )
+    batches = schedule(split, args.epochs, args.batch_size, rank, world)
+    steps = len(batches) if args.steps is None else min(args.steps, len(batches))
+    start = 0
+    if args.checkpoint_dir is not None:
+        start = latest_complete(args.checkpoint_dir, world)
+        if start:
+            state = torch.load(args.checkpoint_dir / f"step{start:06d}" / f"rank{rank}.pt")
+            model.load_state_dict(state["model"])
+            opt.load_state_dict(state["optimizer"])
+            if rank == 0:
+                print(f"resumed from step {start}")
+    for step in range(start, steps):
+        if step == args.crash_at_step and rank == world - 1:
+            os._exit(1)  # a worker dies (tests use this)
+        x, y = batches[step]
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        done = step + 1
+        if args.checkpoint_dir is not None and done % args.save_every == 0:
+            save(args.checkpoint_dir, done, rank, model, opt)
+        if rank == 0 and (done % 50 == 0 or done == steps):
+            s = opt.last_stats
+            assert s is not None
+            print(
+                f"step {done:4d}  loss {loss.item():.4f}  threshold {s.threshold:.2e}  "
+                f"density {s.density:.2e}  sent {opt.bytes_sent:,} B"
+            )
+    with torch.no_grad():
+        accuracy = (model(split.x_test).argmax(1) == split.y_test).float().mean().item()
+    if rank == 0:
+        dense = 4 * opt.numel * opt.iteration
+        print(
+            f"test accuracy {accuracy:.4f}; rank 0 sent {opt.bytes_sent:,} B "
+            f"vs {dense:,} B dense ({dense / max(opt.bytes_sent, 1):.0f}x less)"
+        )
+        if args.out is not None:
+            torch.save(torch.cat([p.detach().reshape(-1) for p in model.parameters()]), args.out)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,187 @@
+"""SharedOptimizer over torch.distributed: real gloo processes on 127.0.0.1 (SPEC §6).
+
+Each test spawns a world of processes (``tests/world.py``); the functions named ``_rank_*``
+run on every rank and return what the test asserts on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn import functional as F
+
+from gradshare import (
+    AdaptiveThreshold,
+    FixedThreshold,
+    ParallelWrapper,
+    SharedOptimizer,
+)
+from gradshare.datasets import mlp
+
+from toys import flat, toy_batches
+from world import spawn
+
+
+def digest(model: nn.Module) -> str:
+    return hashlib.sha256(flat(model).numpy().tobytes()).hexdigest()
+
+
+# ---------------------------------------------------------------------- ranks
+
+
+def _rank_train(rank: int, world: int, steps: int) -> dict:
+    model = mlp(10, 3, hidden=16, seed=rank)  # different on purpose: rank 0's must win
+    opt = SharedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), threshold=AdaptiveThreshold(1e-3)
+    )
+    hashes, sizes, formats = [digest(model)], [], []
+    for x, y in toy_batches(steps * world)[rank::world]:
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        hashes.append(digest(model))
+        assert opt.last_stats is not None
+        sizes.append(opt.last_stats.message_bytes)
+        formats.append(opt.last_stats.format)
+    return {"hashes": hashes, "sizes": sizes, "bytes": opt.bytes_sent, "formats": formats}
+
+
+def _rank_equivalence(rank: int, world: int, batches: list) -> torch.Tensor:
+    model = mlp(10, 3, hidden=16, seed=0)
+    opt = SharedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2))
+    for x, y in batches[rank::world]:
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    return flat(model)
+
+
+def _rank_fault(rank: int, world: int, kind: str) -> float:
+    model = mlp(10, 3, hidden=16, seed=0)
+    opt = SharedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), timeout=3)
+    start = time.monotonic()
+    for step, (x, y) in enumerate(toy_batches(8 * world)[rank::world]):
+        if rank == world - 1 and step == 3:
+            if kind == "raise":
+                raise ZeroDivisionError("rank's own bug")
+            if kind == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            if kind == "hang":
+                time.sleep(10)
+            if kind == "nonfinite":
+                x = x * float("nan")
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        start = time.monotonic()
+        opt.step()
+    return time.monotonic() - start
+
+
+def _rank_sizes(rank: int, world: int) -> None:
+    hidden = 16 if rank == 0 else 17
+    SharedOptimizer(torch.optim.SGD(mlp(10, 3, hidden=hidden).parameters(), lr=0.1))
+
+
+def _rank_corrupt(rank: int, world: int) -> torch.Tensor:
+    model = mlp(10, 3, hidden=16, seed=0)
+    opt = SharedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), threshold=FixedThreshold(1e-4)
+    )
+    before = flat(model)
+    if rank == 1:
+        encode = opt.encoder.encode
+
+        def corrupt(update: torch.Tensor, iteration: int, epoch: int = 0) -> torch.Tensor | None:
+            message = encode(update, iteration, epoch)
+            assert message is not None
+            message[-1] = message.numel() * 1000  # an index far past N
+            return message
+
+        opt.encoder.encode = corrupt  # type: ignore[method-assign]
+    x, y = toy_batches(1)[0]
+    F.cross_entropy(model(x), y).backward()
+    try:
+        opt.step()
+    finally:
+        assert torch.equal(flat(model), before)  # nothing was applied
+    return flat(model)
+
+
+# ---------------------------------------------------------------------- tests
+
+
+class TestSharedOptimizer:
+    @pytest.mark.parametrize("world", [2, 3])
+    def test_replicas_bit_identical_after_every_step(self, world: int) -> None:
+        results = [r.get() for r in spawn(_rank_train, world, 12)]
+        for r in results[1:]:
+            assert r["hashes"] == results[0]["hashes"]
+        assert len(set(results[0]["hashes"])) == 13  # it trained, every step
+        for r in results:  # bytes counted = sizes of the messages it encoded
+            assert r["bytes"] == sum(r["sizes"]) > 0
+        assert {f for r in results for f in r["formats"]} & {"sparse", "bitmap"}
+
+    def test_same_parameters_as_parallel_wrapper(self) -> None:
+        """The same data split through processes and through threads: bit-identical results."""
+        batches = toy_batches(16)
+        results = [r.get() for r in spawn(_rank_equivalence, 2, batches)]
+        assert torch.equal(results[0], results[1])
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # as in the ranks, so the local steps compute alike
+        try:
+            wrapper = ParallelWrapper(
+                mlp(10, 3, hidden=16, seed=0),
+                lambda p: torch.optim.Adam(p, lr=1e-2),
+                F.cross_entropy,
+                num_workers=2,
+            )
+            wrapper.fit(batches, progress=False)
+        finally:
+            torch.set_num_threads(threads)
+        assert torch.equal(flat(wrapper.model), results[0])
+
+
+class TestFaults:
+    """A rank that fails stops every rank with a clear error within the timeout (3 s here)."""
+
+    @pytest.mark.parametrize("kind", ["raise", "kill", "hang"])
+    def test_lost_rank_fails_the_others(self, kind: str) -> None:
+        start = time.monotonic()
+        results = spawn(_rank_fault, 2, kind, timeout=60)
+        assert time.monotonic() - start < 30
+        survivor, lost = results
+        assert survivor.error == "ExchangeError", survivor.traceback
+        assert "Rank 0" in survivor.message and "timeout 3 s" in survivor.message
+        assert survivor.elapsed < 9
+        if kind == "raise":
+            assert lost.error == "ZeroDivisionError"
+        if kind == "kill":
+            assert lost.error == "Killed" and lost.exitcode == -signal.SIGKILL
+
+    def test_nonfinite_update_stops_every_rank(self) -> None:
+        results = spawn(_rank_fault, 3, "nonfinite")
+        assert results[2].error == "ValueError" and "non-finite" in results[2].message
+        for r in results[:2]:
+            assert r.error == "ExchangeError" and "rank(s) [2] failed" in r.message
+
+    def test_parameter_sizes_differ(self) -> None:
+        for r in spawn(_rank_sizes, 2):
+            assert r.error == "ExchangeError" and "different sizes" in r.message
+
+    def test_corrupted_message_rejected_on_every_rank(self) -> None:
+        for r in spawn(_rank_corrupt, 3):
+            assert r.error == "MessageError", r.traceback
+            assert "Message from rank 1 is invalid" in r.message
+
+
+def test_needs_a_process_group() -> None:
+    assert not dist.is_initialized()
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        SharedOptimizer(torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1))

@@ -1,0 +1,28 @@
+"""Small deterministic data and models shared by the training tests."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from gradshare.datasets import mlp
+
+
+def toy_batches(
+    count: int, batch: int = 8, seed: int = 0
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``count`` minibatches of 10 features and 3 classes, the same for every caller."""
+    g = torch.Generator().manual_seed(seed)
+    return [
+        (torch.randn(batch, 10, generator=g), torch.randint(0, 3, (batch,), generator=g))
+        for _ in range(count)
+    ]
+
+
+def toy_model(seed: int = 0) -> nn.Module:
+    return mlp(10, 3, hidden=16, seed=seed)
+
+
+def flat(model: nn.Module) -> torch.Tensor:
+    """Every parameter, flattened and concatenated."""
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
