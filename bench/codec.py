@@ -30,8 +30,7 @@ import argparse
 import contextlib
 import functools
 import json
-import os
-import platform
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
@@ -42,6 +41,9 @@ import numpy as np
 import torch
 
 from gradshare import _kernels, codec
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _env import environment
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CASES = {"sparse-3%": 0.03, "sparse-0.1%": 0.001, "bitmap-25%": 0.25}
@@ -220,26 +222,6 @@ def table(rows: list[Row]) -> str:
             f"{x.vs_copy:>8.2f} {x.vs_torch:>8.1f}x{' ' + unit if unit else ''}"
         )
     return "\n".join(lines)
-
-
-def environment() -> dict[str, object]:
-    cpu = platform.processor() or platform.machine()
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    return {
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "torch": torch.__version__,
-        "numba": numba.__version__,
-        "numpy": np.__version__,
-        "numba_threads": numba.config.NUMBA_NUM_THREADS,
-        "torch_threads": torch.get_num_threads(),
-        "python": platform.python_version(),
-    }
 
 
 def main(argv: list[str] | None = None) -> None:

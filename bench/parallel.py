@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -32,10 +33,8 @@ from torch.nn import functional as F
 
 from gradshare import AdaptiveThreshold, ParallelWrapper, StepStats
 
-try:
-    from bench.codec import environment
-except ImportError:  # run as a script from the repository root
-    from codec import environment  # type: ignore[no-redef]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _env import environment
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
