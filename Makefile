@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/gradshare inspect
+	$(BIN)/gradshare train
 
 lint: $(STAMP)
 	$(BIN)/ruff format --check src tests bench examples

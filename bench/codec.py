@@ -224,6 +224,31 @@ def table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+def plot(rows: list[Row], path: Path) -> None:
+    """Encode time vs the copy floor (1.0 = as fast as ``residual += update``), per case and N."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    enc = [r for r in rows if r.op == "encode" and r.impl == "gradshare"]
+    sizes = sorted({r.numel for r in enc})
+    cases = list(CASES)
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    width = 0.8 / len(cases)
+    for k, case in enumerate(cases):
+        ys = [next((r.vs_copy for r in enc if r.numel == n and r.case == case), 0) for n in sizes]
+        ax.bar([i + k * width for i in range(len(sizes))], ys, width, label=case)
+    ax.axhline(1.0, color="black", lw=0.8, ls="--")
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(sizes))])
+    ax.set_xticklabels([f"N = {n:,}" for n in sizes])
+    ax.set(ylabel="copy time / encode time", title="gradshare encode vs the copy floor")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -238,7 +263,8 @@ def main(argv: list[str] | None = None) -> None:
     args.out.write_text(
         json.dumps({"environment": environment(), "rows": [asdict(x) for x in rows]}, indent=1)
     )
-    print(f"\nsaved {args.out}")
+    plot(rows, args.out.with_suffix(".png"))
+    print(f"\nsaved {args.out} and {args.out.with_suffix('.png')}")
 
 
 if __name__ == "__main__":

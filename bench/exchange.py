@@ -68,6 +68,7 @@ METHODS = [
     ).split()
 ]
 LAYERS = 5
+RATES = ["none", "1gbit", "100mbit"]
 
 
 @dataclass
@@ -266,10 +267,39 @@ def cost_model(numel: int, density: float) -> list[dict[str, float]]:
     return out
 
 
+def plot(rows: list[Row], path: Path) -> None:
+    """ms per step of every method, one group per (rate, world), log scale."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = sorted({(r.rate, r.world) for r in rows}, key=lambda g: (RATES.index(g[0]), g[1]))
+    methods = [m for m in METHODS if any(r.method == m for r in rows)]
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    width = 0.8 / max(len(methods), 1)
+    for k, m in enumerate(methods):
+        xs, ys = [], []
+        for g, (rate, world) in enumerate(groups):
+            hit = [r for r in rows if (r.rate, r.world, r.method) == (rate, world, m)]
+            if hit:
+                xs.append(g + k * width)
+                ys.append(hit[0].ms_per_step)
+        ax.bar(xs, ys, width, label=m)
+    ax.set_xticks([g + 0.4 - width / 2 for g in range(len(groups))])
+    ax.set_xticklabels([f"{rate}, {world} ranks" for rate, world in groups])
+    ax.set_yscale("log")
+    ax.set(ylabel="ms per step (log)", title="gradient exchange per step, 25M parameters")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--rates", nargs="+", default=["none", "1gbit", "100mbit"])
+    parser.add_argument("--rates", nargs="+", default=RATES, choices=RATES)
     parser.add_argument("--numel", type=int, default=25_000_000)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--out", type=Path, default=RESULTS / "exchange.json")
@@ -325,7 +355,8 @@ def main(argv: list[str] | None = None) -> None:
             indent=1,
         )
     )
-    print(f"\nsaved {args.out}")
+    plot(rows, args.out.with_suffix(".png"))
+    print(f"\nsaved {args.out} and {args.out.with_suffix('.png')}")
 
 
 if __name__ == "__main__":

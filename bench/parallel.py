@@ -136,6 +136,27 @@ def table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+def plot(rows: list[Row], path: Path) -> None:
+    """Stacked time per round: compute, encode, apply, wait; dense vs encoded per worker count."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    labels = [f"{r.workers}w {r.mode}" for r in rows]
+    bottom = [0.0] * len(rows)
+    for part in ("compute_ms", "encode_ms", "apply_ms", "wait_ms"):
+        values = [getattr(r, part) for r in rows]
+        ax.bar(labels, values, bottom=bottom, label=part.removesuffix("_ms"))
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    ax.set(ylabel="ms per round (per worker)", title="ParallelWrapper: where a round goes")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> list[Row]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4])
@@ -153,7 +174,8 @@ def main(argv: list[str] | None = None) -> list[Row]:
     args.out.write_text(
         json.dumps({"environment": environment(), "rows": [asdict(r) for r in rows]}, indent=1)
     )
-    print(f"\nsaved {args.out}")
+    plot(rows, args.out.with_suffix(".png"))
+    print(f"\nsaved {args.out} and {args.out.with_suffix('.png')}")
     return rows
 
 

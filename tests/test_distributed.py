@@ -63,6 +63,18 @@ def _rank_equivalence(rank: int, world: int, batches: list) -> torch.Tensor:
     return flat(model)
 
 
+def _rank_dense(rank: int, world: int, batches: list) -> torch.Tensor:
+    model = mlp(10, 3, hidden=16, seed=0)
+    opt = SharedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), threshold=None,
+                          reduction="mean")  # fmt: skip
+    for x, y in batches[rank::world]:
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    assert opt.bytes_sent == 4 * opt.numel * opt.iteration
+    return flat(model)
+
+
 def _rank_fault(rank: int, world: int, kind: str) -> float:
     model = mlp(10, 3, hidden=16, seed=0)
     opt = SharedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), timeout=3)
@@ -146,6 +158,22 @@ class TestSharedOptimizer:
         finally:
             torch.set_num_threads(threads)
         assert torch.equal(flat(wrapper.model), results[0])
+
+
+def test_dense_mode_equals_sgd_on_the_union() -> None:
+    """threshold=None, reduction="mean", plain SGD: W ranks = one process on W batches a step."""
+    batches = toy_batches(12)
+    results = [r.get() for r in spawn(_rank_dense, 3, batches)]
+    single = mlp(10, 3, hidden=16, seed=0)
+    opt = torch.optim.SGD(single.parameters(), lr=0.1)
+    for i in range(0, 12, 3):
+        opt.zero_grad()
+        x = torch.cat([b[0] for b in batches[i : i + 3]])
+        y = torch.cat([b[1] for b in batches[i : i + 3]])
+        F.cross_entropy(single(x), y).backward()
+        opt.step()
+    assert all(torch.equal(results[0], r) for r in results)
+    torch.testing.assert_close(results[0], flat(single), rtol=1e-5, atol=1e-6)
 
 
 class TestFaults:

@@ -1,27 +1,27 @@
-"""The ``gradshare`` command: ``gradshare inspect`` shows what the encoder sends, step by step."""
+"""The ``gradshare`` command.
+
+* ``gradshare train``: the same model trained dense and with gradshare, side by side, with a
+  table, metrics.csv, summary.json and report.png;
+* ``gradshare bench codec|parallel|exchange|convergence``: the benchmarks under ``bench/``;
+* ``gradshare inspect``: what the encoder sends for a synthetic update stream, step by step.
+"""
 
 from __future__ import annotations
 
 import argparse
+import runpy
 import sys
+import time
 from collections.abc import Sequence
+from pathlib import Path
+from typing import NoReturn
 
 import torch
 
+from gradshare import train
 from gradshare.encoder import Encoder
-from gradshare.residual import ResidualClipping, ResidualPostProcessor
-from gradshare.threshold import (
-    AdaptiveThreshold,
-    FixedThreshold,
-    TargetSparsityThreshold,
-    ThresholdAlgorithm,
-)
-
-THRESHOLD_KINDS = {
-    "adaptive": AdaptiveThreshold,
-    "fixed": FixedThreshold,
-    "target": TargetSparsityThreshold,
-}
+from gradshare.residual import ResidualPostProcessor
+from gradshare.threshold import ThresholdAlgorithm
 
 
 class UsageError(Exception):
@@ -29,33 +29,19 @@ class UsageError(Exception):
 
 
 def parse_threshold(spec: str) -> ThresholdAlgorithm:
-    """``adaptive:1e-3`` -> AdaptiveThreshold(1e-3); also ``fixed:T`` and ``target:T``."""
-    kind, _, value = spec.partition(":")
-    if kind not in THRESHOLD_KINDS:
-        raise UsageError(
-            f"unknown threshold kind {kind!r} in --threshold {spec!r}; use "
-            + ", ".join(f"{k}:VALUE" for k in THRESHOLD_KINDS)
-        )
+    """``adaptive:1e-3`` -> AdaptiveThreshold(1e-3); also ``fixed:T`` and ``target:DENSITY``."""
     try:
-        t = float(value) if value else 1e-3
-        if kind == "target":
-            return TargetSparsityThreshold(initial=1e-3, target=t)
-        return THRESHOLD_KINDS[kind](t)
+        return train.parse_threshold(spec)
     except ValueError as e:
-        raise UsageError(f"bad --threshold {spec!r}: {e}") from None
+        raise UsageError(f"bad --threshold: {e}") from None
 
 
 def parse_clip(spec: str | None) -> ResidualPostProcessor | None:
     """``5:5`` -> ResidualClipping(5, 5); None -> no post-processing."""
-    if spec is None:
-        return None
-    multiple, _, frequency = spec.partition(":")
     try:
-        return ResidualClipping(float(multiple), int(frequency or 5))
+        return train.parse_clip(spec)
     except ValueError as e:
-        raise UsageError(
-            f"bad --clip {spec!r} (expect MULTIPLE:FREQUENCY, e.g. 5:5): {e}"
-        ) from None
+        raise UsageError(f"bad --clip: {e}") from None
 
 
 def inspect(args: argparse.Namespace) -> None:
@@ -89,9 +75,104 @@ def inspect(args: argparse.Namespace) -> None:
     print(f"\ntotal sent {sent:,} bytes vs {dense:,} dense: {dense / max(sent, 1):.1f}x less")
 
 
+def train_command(args: argparse.Namespace) -> None:
+    """Train dense, then with gradshare; print the table; write the files."""
+    try:
+        config = train.TrainConfig(
+            workers=args.workers, mode=args.mode, threshold=args.threshold, clip=args.clip,
+            optimizer=args.optimizer, lr=args.lr, epochs=args.epochs,
+            batch_size=args.batch_size, hidden=args.hidden, seed=args.seed, device=args.device,
+        )  # fmt: skip
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    out = args.out or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+    _check_writable(out)
+    if args.tensorboard:
+        try:
+            import tensorboard  # noqa: F401
+        except ImportError:
+            raise UsageError("--tensorboard needs TensorBoard: pip install tensorboard") from None
+    print(
+        f"gradshare train: digits, MLP({config.hidden}), {config.workers} workers "
+        f"({config.mode}), {config.optimizer} lr {config.lr}, {config.epochs} epochs, "
+        f"batch {config.batch_size}, threshold {config.threshold}, clip {config.clip}"
+    )
+    results = list(train.run(config, progress=not args.no_progress))
+    from gradshare import report
+
+    print()
+    print(report.summary_table(results))
+    paths = report.write_outputs(out, config, results)
+    if args.tensorboard:
+        report.write_tensorboard(out, results)
+    print("\nwrote " + ", ".join(str(p) for p in paths))
+
+
+def _check_writable(out: Path) -> None:
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".gradshare-write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise UsageError(f"cannot write to --out {out}: {e.strerror or e}") from None
+
+
+BENCHES = ("codec", "parallel", "exchange", "convergence")
+
+
+def bench_command(args: argparse.Namespace) -> None:
+    """Run one of the benchmark scripts under bench/ with the remaining arguments."""
+    candidates = [Path.cwd() / "bench", Path(__file__).resolve().parents[2] / "bench"]
+    folder = next((c for c in candidates if (c / f"{args.name}.py").exists()), None)
+    if folder is None:
+        raise UsageError(
+            f"bench/{args.name}.py not found: run from a gradshare checkout (git clone)"
+        )
+    sys.argv = [str(folder / f"{args.name}.py"), *args.rest]
+    runpy.run_path(sys.argv[0], run_name="__main__")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a bad option in one line (exit code 2), without the usage."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="gradshare", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = _Parser(prog="gradshare", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    t = sub.add_parser("train", help="train dense and with gradshare on digits, side by side")
+    t.add_argument("--workers", type=int, default=4, help="replicas: threads or processes")
+    t.add_argument(
+        "--mode",
+        default="parallel",
+        help="parallel (threads, ParallelWrapper) or distributed (processes, gloo)",
+    )
+    t.add_argument(
+        "--threshold",
+        default="adaptive:1e-3",
+        help="adaptive:T, fixed:T or target:DENSITY (the threshold algorithm)",
+    )
+    t.add_argument(
+        "--clip", default=None, help="residual clipping MULTIPLE:FREQUENCY, e.g. 5:5 (default none)"
+    )
+    t.add_argument("--optimizer", default="sgd", help="sgd, momentum (SGD 0.9) or adam")
+    t.add_argument("--lr", type=float, default=0.1, help="learning rate of each worker")
+    t.add_argument("--epochs", type=int, default=8, help="passes over the training set")
+    t.add_argument("--batch-size", type=int, default=32, help="minibatch of one worker")
+    t.add_argument("--hidden", type=int, default=256, help="hidden units of the MLP")
+    t.add_argument("--seed", type=int, default=0, help="seed: the same seed, the same numbers")
+    t.add_argument("--out", type=Path, default=None, help="output folder (default runs/<time>)")
+    t.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    t.add_argument("--tensorboard", action="store_true", help="also log to OUT/tensorboard")
+    t.add_argument("--no-progress", action="store_true", help="no progress bars")
+    t.set_defaults(func=train_command)  # fmt: skip
+    b = sub.add_parser("bench", help="run a benchmark: " + ", ".join(BENCHES))
+    b.add_argument("name", choices=BENCHES, help="which benchmark")
+    b.add_argument("rest", nargs=argparse.REMAINDER, help="its own options (see --help)")
+    b.set_defaults(func=bench_command)
     p = sub.add_parser("inspect", help="encode a synthetic update stream and print each message")
     p.add_argument("--numel", type=int, default=1_000_000, help="elements of the update")
     p.add_argument("--std", type=float, default=1e-3, help="std of the normal updates")

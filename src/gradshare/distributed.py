@@ -153,7 +153,8 @@ class SharedOptimizer(torch.optim.Optimizer):
 
     Args:
         optimizer: any ``torch.optim`` optimizer over the model's parameters.
-        threshold: the threshold algorithm (cloned; each rank keeps its own state).
+        threshold: the threshold algorithm (cloned; each rank keeps its own state); None
+            all-reduces the exact dense updates instead (the oracle to compare with).
         post_processor: residual post-processing.
         process_group: the group to share over (default: the world).
         reduction: ``"sum"`` (DL4J) or ``"mean"`` over ranks.
@@ -170,7 +171,7 @@ class SharedOptimizer(torch.optim.Optimizer):
         self,
         optimizer: torch.optim.Optimizer,
         *,
-        threshold: ThresholdAlgorithm = AdaptiveThreshold(1e-3),  # noqa: B008 - cloned
+        threshold: ThresholdAlgorithm | None = AdaptiveThreshold(1e-3),  # noqa: B008 - cloned
         post_processor: ResidualPostProcessor | None = None,
         process_group: Any = None,
         reduction: Literal["sum", "mean"] = "sum",
@@ -180,9 +181,10 @@ class SharedOptimizer(torch.optim.Optimizer):
             raise TypeError(
                 f"Expect `optimizer` to be a torch.optim.Optimizer, got {type(optimizer).__name__}."
             )
-        if not isinstance(threshold, ThresholdAlgorithm):
+        if threshold is not None and not isinstance(threshold, ThresholdAlgorithm):
             raise TypeError(
-                f"Expect `threshold` to be a ThresholdAlgorithm, got {type(threshold).__name__}."
+                f"Expect `threshold` to be a ThresholdAlgorithm or None, got "
+                f"{type(threshold).__name__}."
             )
         if reduction not in ("sum", "mean"):
             raise ValueError(f'Expect `reduction` "sum" or "mean", got {reduction!r}.')
@@ -197,7 +199,8 @@ class SharedOptimizer(torch.optim.Optimizer):
         self.group = process_group
         self.reduction = reduction
         self.timeout = timedelta(seconds=to_seconds(timeout))
-        self.encoder = Encoder(threshold.clone(), post_processor)
+        self.encoder = None if threshold is None else Encoder(threshold.clone(), post_processor)
+        """This rank's encoder (None: exact dense updates are all-reduced, the oracle)."""
         self.iteration = 0
         self.bytes_sent = 0
         """Bytes of the messages this rank encoded and sent (headers and padding excluded)."""
@@ -264,11 +267,17 @@ class SharedOptimizer(torch.optim.Optimizer):
                 loss = self.optim.step(closure)
             update = torch.sub(before, _flat_params(params, self._buffer), out=self._buffer)
             self._unflatten(before, params)  # exactly the parameters before the local step
-            message = self.encoder.encode(update, self.iteration)
-            self.last_stats = self.encoder.last_stats
+            if self.encoder is not None:
+                message = self.encoder.encode(update, self.iteration)
+                self.last_stats = self.encoder.last_stats
+            else:
+                codec.check_vector(update, "update")
         except Exception as e:  # tell the other ranks before raising here
             self._unflatten(before, params)
             failure = e
+        if self.encoder is None:
+            self._dense_step(params, failure)
+            return loss
         messages = exchange_messages(
             message,
             self.numel,
@@ -281,6 +290,23 @@ class SharedOptimizer(torch.optim.Optimizer):
         for m in messages:
             if m is not None:
                 codec.decode_(m, buffer)
+        self._apply(params, buffer)
+        if message is not None:
+            self.bytes_sent += message.numel() * 4
+        return loss
+
+    def _dense_step(self, params: list[torch.Tensor], failure: BaseException | None) -> None:
+        """The oracle: all-reduce the exact update (after the same status and size check)."""
+        exchange_messages(
+            None, self.numel, group=self.group, timeout=self.timeout, device=self.device,
+            failure=failure,
+        )  # fmt: skip
+        work = dist.all_reduce(self._buffer, group=self.group, async_op=True)
+        _wait(work, self.timeout, "dense all-reduce", dist.get_rank(self.group))
+        self._apply(params, self._buffer)
+        self.bytes_sent += 4 * self.numel
+
+    def _apply(self, params: list[torch.Tensor], buffer: torch.Tensor) -> None:
         if self.reduction == "mean":
             buffer.div_(dist.get_world_size(self.group))
         offset = 0
@@ -288,10 +314,7 @@ class SharedOptimizer(torch.optim.Optimizer):
             n = p.numel()
             p.sub_(buffer[offset : offset + n].view_as(p))
             offset += n
-        if message is not None:
-            self.bytes_sent += message.numel() * 4
         self.iteration += 1
-        return loss
 
     # ------------------------------------------------------------------ checkpointing
 
@@ -299,7 +322,7 @@ class SharedOptimizer(torch.optim.Optimizer):
         """This rank's wrapped optimizer, residual and threshold state: every rank saves its own."""
         return {
             "optimizer": self.optim.state_dict(),
-            "encoder": self.encoder.state_dict(),
+            "encoder": None if self.encoder is None else self.encoder.state_dict(),
             "iteration": self.iteration,
             "bytes_sent": self.bytes_sent,
             "numel": self.numel,
@@ -312,12 +335,18 @@ class SharedOptimizer(torch.optim.Optimizer):
                 f"Checkpoint shares {state_dict.get('numel')} elements, this optimizer "
                 f"{self.numel}: it is of another model."
             )
-        probe = Encoder(self.encoder.algorithm.clone(), self.encoder.post_processor)
-        probe.load_state_dict(state_dict["encoder"])
-        self.encoder.load_state_dict(state_dict["encoder"])
+        if (state_dict["encoder"] is None) != (self.encoder is None):
+            raise ValueError(
+                "Checkpoint and optimizer differ in mode (encoded vs dense `threshold=None`)."
+            )
+        if self.encoder is not None:
+            probe = Encoder(self.encoder.algorithm.clone(), self.encoder.post_processor)
+            probe.load_state_dict(state_dict["encoder"])
+            self.encoder.load_state_dict(state_dict["encoder"])
         self.optim.load_state_dict(state_dict["optimizer"])
         self.iteration = int(state_dict["iteration"])
         self.bytes_sent = int(state_dict["bytes_sent"])
 
     def __repr__(self) -> str:
-        return f"SharedOptimizer({self.optim!r}, threshold={self.encoder.algorithm!r})"
+        algorithm = None if self.encoder is None else self.encoder.algorithm
+        return f"SharedOptimizer({self.optim!r}, threshold={algorithm!r})"

@@ -1,0 +1,333 @@
+"""The main job: one model trained with dense updates and with gradshare, side by side.
+
+``gradshare train`` runs :func:`run`: scikit-learn's digits, an MLP, ``workers`` replicas
+(threads through :class:`~gradshare.ParallelWrapper`, or processes through
+:class:`~gradshare.SharedOptimizer` over gloo), first sharing exact dense updates, then
+threshold-encoded ones, with the same seed, data order and optimizer. Every step of every
+worker is recorded; :mod:`gradshare.report` writes the files and the plot.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn import functional as F
+
+from gradshare.datasets import Split, digits, minibatches, mlp
+from gradshare.residual import ResidualClipping, ResidualPostProcessor
+from gradshare.threshold import (
+    AdaptiveThreshold,
+    FixedThreshold,
+    TargetSparsityThreshold,
+    ThresholdAlgorithm,
+)
+
+__all__ = ["RunResult", "TrainConfig", "parse_clip", "parse_threshold", "run", "run_one"]
+
+OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
+    "sgd": lambda params, lr: torch.optim.SGD(params, lr=lr),
+    "momentum": lambda params, lr: torch.optim.SGD(params, lr=lr, momentum=0.9),
+    "adam": lambda params, lr: torch.optim.Adam(params, lr=lr),
+}
+THRESHOLD_KINDS = ("adaptive", "fixed", "target")
+
+
+def parse_threshold(spec: str) -> ThresholdAlgorithm:
+    """``adaptive:1e-3`` -> AdaptiveThreshold(1e-3); also ``fixed:T`` and ``target:DENSITY``."""
+    kind, _, value = spec.partition(":")
+    if kind not in THRESHOLD_KINDS:
+        raise ValueError(
+            f"unknown threshold kind {kind!r} in {spec!r}; use "
+            + ", ".join(f"{k}:VALUE" for k in THRESHOLD_KINDS)
+        )
+    try:
+        t = float(value) if value else 1e-3
+    except ValueError:
+        raise ValueError(f"threshold value {value!r} in {spec!r} is not a number") from None
+    if kind == "target":
+        return TargetSparsityThreshold(initial=1e-3, target=t)
+    return AdaptiveThreshold(t) if kind == "adaptive" else FixedThreshold(t)
+
+
+def parse_clip(spec: str | None) -> ResidualPostProcessor | None:
+    """``5:5`` -> ResidualClipping(5, 5); None -> no post-processing."""
+    if spec is None:
+        return None
+    multiple, _, frequency = spec.partition(":")
+    try:
+        return ResidualClipping(float(multiple), int(frequency or 5))
+    except ValueError as e:
+        raise ValueError(f"{spec!r} is not MULTIPLE:FREQUENCY (e.g. 5:5): {e}") from None
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainConfig:
+    """What ``gradshare train`` runs; every field is one command-line option."""
+
+    workers: int = 4
+    """Replicas (threads or processes)."""
+    mode: str = "parallel"
+    """``parallel`` (threads, ParallelWrapper) or ``distributed`` (processes, gloo)."""
+    threshold: str = "adaptive:1e-3"
+    """The threshold algorithm: ``adaptive:T``, ``fixed:T`` or ``target:DENSITY``."""
+    clip: str | None = None
+    """Residual clipping ``MULTIPLE:FREQUENCY``, or None."""
+    optimizer: str = "sgd"
+    """``sgd``, ``momentum`` (SGD, 0.9) or ``adam``; each worker has its own."""
+    lr: float = 0.1
+    epochs: int = 8
+    batch_size: int = 32
+    hidden: int = 256
+    """Hidden units of the MLP."""
+    seed: int = 0
+    device: str = "cpu"
+    runs: tuple[str, ...] = ("dense", "gradshare")
+
+    def __post_init__(self) -> None:
+        for name in ("workers", "epochs", "batch_size", "hidden"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(
+                    f"--{name.replace('_', '-')} must be an integer >= 1, got {value!r}"
+                )
+        if self.mode not in ("parallel", "distributed"):
+            raise ValueError(f"--mode must be parallel or distributed, got {self.mode!r}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(
+                f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}"
+            )
+        if not self.lr > 0:
+            raise ValueError(f"--lr must be > 0, got {self.lr!r}")
+        for option, parse, value in (("--threshold", parse_threshold, self.threshold),
+                                     ("--clip", parse_clip, self.clip)):  # fmt: skip
+            try:
+                parse(value)  # type: ignore[arg-type]
+            except ValueError as e:
+                raise ValueError(f"{option}: {e}") from None
+        try:
+            device = torch.device(self.device)
+        except RuntimeError:
+            raise ValueError(
+                f"--device {self.device!r} is not a device (cpu, cuda, cuda:1)"
+            ) from None
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"--device {self.device}: CUDA is not available here; use cpu")
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"--device must be cpu or cuda, got {self.device!r}")
+
+
+@dataclass
+class RunResult:
+    """One run (dense or gradshare): per-step rows, per-epoch accuracy, totals."""
+
+    name: str
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    """One per step and worker: epoch, step, worker, loss, threshold, density, ..."""
+    epochs: list[dict[str, float]] = field(default_factory=list)
+    """One per epoch: epoch, test loss, test accuracy."""
+    seconds: float = 0.0
+
+    @property
+    def accuracy(self) -> float:
+        return self.epochs[-1]["accuracy"]
+
+    @property
+    def bytes_sent(self) -> int:
+        return sum(r["message_bytes"] for r in self.rows)
+
+    @property
+    def dense_bytes(self) -> int:
+        return sum(r["dense_bytes"] for r in self.rows)
+
+    @property
+    def compression_ratio(self) -> float:
+        return self.dense_bytes / self.bytes_sent if self.bytes_sent else float("inf")
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "accuracy": self.accuracy,
+            "test_loss": self.epochs[-1]["loss"],
+            "seconds": self.seconds,
+            "bytes_sent": self.bytes_sent,
+            "dense_bytes": self.dense_bytes,
+            "compression_ratio": self.compression_ratio,
+            "steps": len({(r["epoch"], r["step"]) for r in self.rows}),
+        }
+
+
+def _model(config: TrainConfig, split: Split) -> nn.Module:
+    return mlp(split.num_features, split.num_classes, hidden=config.hidden, seed=config.seed)
+
+
+def _epoch_batches(config: TrainConfig, split: Split, epoch: int) -> list:
+    return minibatches(split.x_train, split.y_train, config.batch_size, seed=config.seed + epoch)
+
+
+@torch.no_grad()
+def _evaluate(model: nn.Module, split: Split, device: torch.device) -> dict[str, float]:
+    was = model.training
+    model.eval()
+    out = model(split.x_test.to(device))
+    y = split.y_test.to(device)
+    model.train(was)
+    return {
+        "loss": float(F.cross_entropy(out, y)),
+        "accuracy": float((out.argmax(1) == y).float().mean()),
+    }
+
+
+def _row(
+    name: str, epoch: int, step: int, worker: int, loss: float, stats: Any, numel: int
+) -> dict:
+    """One metrics row; ``stats`` is the step's EncodeStats/StepStats, None for dense."""
+    row = {"run": name, "epoch": epoch, "step": step, "worker": worker, "loss": loss}
+    if stats is None:
+        row.update(threshold=None, density=1.0, message_bytes=4 * numel, dense_bytes=4 * numel,
+                   format="dense", residual_norm=0.0, clipped=0.0)  # fmt: skip
+        return row
+    row.update(threshold=stats.threshold, density=stats.density,
+               message_bytes=stats.message_bytes, dense_bytes=stats.dense_bytes,
+               format=stats.format or "none", residual_norm=stats.residual_norm,
+               clipped=stats.clipped)  # fmt: skip
+    return row
+
+
+# ---------------------------------------------------------------------- threads
+
+
+def _run_parallel(config: TrainConfig, name: str, split: Split, bar: Any) -> RunResult:
+    from gradshare.parallel import ParallelWrapper
+
+    device = torch.device(config.device)
+    result = RunResult(name)
+    wrapper = ParallelWrapper(
+        _model(config, split).to(device),
+        lambda p: OPTIMIZERS[config.optimizer](p, config.lr),
+        F.cross_entropy,
+        num_workers=config.workers,
+        threshold=None if name == "dense" else parse_threshold(config.threshold),
+        post_processor=None if name == "dense" else parse_clip(config.clip),
+    )
+    for epoch in range(config.epochs):
+
+        def record(stats: list, epoch: int = epoch) -> None:
+            for s in stats:
+                threshold = None if s.format == "dense" else s
+                result.rows.append(
+                    _row(name, epoch, s.iteration, s.worker, s.loss, threshold, wrapper.numel)
+                )
+            _tick(bar, result)
+
+        wrapper.fit(_epoch_batches(config, split, epoch), progress=False, callback=record)
+        result.epochs.append({"epoch": epoch, **_evaluate(wrapper.model, split, device)})
+        _tick(bar, result, 0)
+    return result
+
+
+# ---------------------------------------------------------------------- processes
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _rank_main(rank: int, config: TrainConfig, name: str, port: int, tmp: str) -> None:
+    from gradshare.distributed import SharedOptimizer
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    world = config.workers
+    cuda = torch.device(config.device).type == "cuda"
+    device = torch.device("cuda", rank % torch.cuda.device_count()) if cuda else torch.device("cpu")
+    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
+    split = digits(seed=config.seed)
+    model = _model(config, split).to(device)
+    opt = SharedOptimizer(
+        OPTIMIZERS[config.optimizer](model.parameters(), config.lr),
+        threshold=None if name == "dense" else parse_threshold(config.threshold),
+        post_processor=None if name == "dense" else parse_clip(config.clip),
+    )
+    result = RunResult(name)
+    numel = sum(p.numel() for p in model.parameters())
+    step = 0
+    for epoch in range(config.epochs):
+        batches = _epoch_batches(config, split, epoch)
+        for x, y in batches[: len(batches) // world * world][rank::world]:
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x.to(device)), y.to(device))
+            loss.backward()
+            opt.step()
+            result.rows.append(_row(name, epoch, step, rank, float(loss), opt.last_stats, numel))
+            step += 1
+        result.epochs.append({"epoch": epoch, **_evaluate(model, split, device)})
+    torch.save(asdict(result), Path(tmp) / f"rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def _run_distributed(config: TrainConfig, name: str, split: Split, bar: Any) -> RunResult:
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_rank_main, args=(config, name, _free_port(), tmp), nprocs=config.workers)
+        parts = [torch.load(Path(tmp) / f"rank{r}.pt") for r in range(config.workers)]
+    result = RunResult(name, epochs=parts[0]["epochs"])
+    result.rows = sorted(
+        (r for p in parts for r in p["rows"]), key=lambda r: (r["step"], r["worker"])
+    )
+    _tick(bar, result, len({r["step"] for r in result.rows}))
+    return result
+
+
+# ---------------------------------------------------------------------- both runs
+
+
+def _tick(bar: Any, result: RunResult, n: int = 1) -> None:
+    if bar is None or not result.rows:
+        return
+    bar.update(n)
+    last = result.rows[-1]
+    postfix = {"loss": f"{last['loss']:.3f}", "bytes": f"{result.bytes_sent:,}"}
+    if result.epochs:
+        postfix["acc"] = f"{result.epochs[-1]['accuracy']:.3f}"
+    if last["threshold"] is not None:
+        postfix["threshold"] = f"{last['threshold']:.2e}"
+        postfix["density"] = f"{last['density']:.1e}"
+    bar.set_postfix(postfix, refresh=False)
+
+
+def run_one(config: TrainConfig, name: str, progress: bool = True) -> RunResult:
+    """Train once: ``name`` is ``dense`` (exact updates) or ``gradshare`` (encoded)."""
+    split = digits(seed=config.seed)
+    rounds = -(-len(split.y_train) // config.batch_size) // config.workers
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=config.epochs * (rounds + 1), desc=f"{name:>9}", unit="step", leave=True)
+    start = time.perf_counter()
+    try:
+        runner = _run_parallel if config.mode == "parallel" else _run_distributed
+        result = runner(config, name, split, bar)
+    finally:
+        if bar is not None:
+            bar.close()
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def run(config: TrainConfig, progress: bool = True) -> Iterator[RunResult]:
+    """Each of ``config.runs`` in turn, with the same seed and data."""
+    for name in config.runs:
+        yield run_one(config, name, progress)

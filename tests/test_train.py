@@ -1,0 +1,101 @@
+"""`gradshare train` and `gradshare bench`: the main job end to end, and bad options."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+
+from gradshare.cli import main
+from gradshare.report import COLUMNS
+
+QUIET = ["--no-progress"]
+
+
+def _summary(out: Path) -> dict:
+    return json.loads((out / "summary.json").read_text())
+
+
+class TestTrain:
+    def test_end_to_end_encoded_matches_dense(
+        self, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    ) -> None:
+        """Default model and data, 4 workers: files written, accuracy within 2 points, > 20x."""
+        assert main(["train", "--out", str(tmp_path), *QUIET]) == 0
+        out = capsys.readouterr().out
+        assert "compression" in out and "gradshare" in out
+        for name in ("metrics.csv", "summary.json", "report.png"):
+            assert (tmp_path / name).stat().st_size > 0
+        runs = _summary(tmp_path)["runs"]
+        for fields in runs.values():
+            assert {"accuracy", "seconds", "bytes_sent", "dense_bytes", "compression_ratio",
+                    "test_loss", "steps", "epochs"} <= set(fields)  # fmt: skip
+        dense, encoded = runs["dense"], runs["gradshare"]
+        assert dense["accuracy"] > 0.9
+        assert abs(encoded["accuracy"] - dense["accuracy"]) <= 0.02, runs
+        assert encoded["compression_ratio"] > 20
+        with (tmp_path / "metrics.csv").open() as f:
+            rows = list(csv.DictReader(f))
+        assert list(rows[0]) == COLUMNS
+        assert {r["worker"] for r in rows} == {"0", "1", "2", "3"}
+        assert {r["format"] for r in rows if r["run"] == "gradshare"} <= {
+            "sparse",
+            "bitmap",
+            "none",
+        }
+        sent = sum(int(r["message_bytes"]) for r in rows if r["run"] == "gradshare")
+        assert sent == encoded["bytes_sent"]
+
+    def test_same_seed_same_numbers(self, tmp_path: Path) -> None:
+        argv = ["train", "--epochs", "1", "--clip", "5:5", "--optimizer", "adam", "--lr", "0.01"]
+        for name in ("a", "b"):
+            assert main([*argv, "--out", str(tmp_path / name), *QUIET]) == 0
+        a, b = (_summary(tmp_path / n)["runs"] for n in ("a", "b"))
+        for run in ("dense", "gradshare"):
+            a[run].pop("seconds"), b[run].pop("seconds")
+        assert a == b
+        assert (tmp_path / "a" / "metrics.csv").read_text() == (
+            tmp_path / "b" / "metrics.csv"
+        ).read_text()
+
+    def test_distributed_mode(self, tmp_path: Path) -> None:
+        argv = ["train", "--mode", "distributed", "--workers", "2", "--epochs", "2"]
+        assert main([*argv, "--out", str(tmp_path), *QUIET]) == 0
+        runs = _summary(tmp_path)["runs"]
+        assert runs["gradshare"]["bytes_sent"] < runs["dense"]["bytes_sent"] / 5
+        assert runs["gradshare"]["accuracy"] > 0.5
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--workers", "-2"], "--workers"),
+        (["--workers", "two"], "--workers"),
+        (["--threshold", "median:1e-3"], "unknown threshold kind"),
+        (["--threshold", "fixed:abc"], "not a number"),
+        (["--clip", "x:y"], "--clip"),
+        (["--mode", "cluster"], "--mode"),
+        (["--optimizer", "lion"], "--optimizer"),
+        (["--lr", "0"], "--lr"),
+        (["--epochs", "0"], "--epochs"),
+        (["--device", "tpu"], "--device"),
+        (["--out", "/etc/hostname/run"], "cannot write to --out"),
+    ],
+)
+def test_bad_option_exits_2_with_one_line(
+    argv: list[str], says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        raise SystemExit(main(["train", *argv, *QUIET]))
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and says in err and "Traceback" not in err, err
+
+
+def test_bench_unknown_name_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "nosuch"])
+    assert exit_info.value.code == 2
+    assert "invalid choice" in capsys.readouterr().err
