@@ -12,11 +12,14 @@ exchanged by:
 * ``powersgd-1``, ``powersgd-4``: PyTorch's PowerSGD hook at rank 1 and 4 (error feedback,
   warm start);
 * ``gradshare``: :func:`gradshare.threshold_hook` (adaptive threshold starting from the 99.9th
-  percentile of the first gradient, so density is about 1e-3);
+  percentile of the first gradient, and 25 warm-up steps so that it settles: with error
+  feedback the residual grows, and the threshold follows it);
 
 and ``compute``: the same forward and backward with no exchange at all. ``ms/step`` is the
-median over the timed steps of the slowest rank; ``bytes/step`` is what one rank contributes
-per step (its message, or its share of the payload). DDP runs with one bucket for every method
+median over the timed steps of the slowest rank (the inputs cycle through 4 random batches,
+so gradients change from step to step and the residual sums them); ``bytes/step`` is what
+one rank contributes per step (its message, or its share of the payload). DDP runs with one
+bucket for every method
 (``bucket_cap_mb=4096``): PowerSGD's chained collectives can otherwise be issued in different
 orders on different ranks over gloo, which aborts the run.
 
@@ -110,7 +113,9 @@ def _rank(rank: int, world: int, port: int, numel: int, steps: int, out: str) ->
     rows = []
     for method in METHODS:
         net = model(numel)
-        x = torch.randn(8, net[0].in_features, generator=torch.Generator().manual_seed(rank))
+        g = torch.Generator().manual_seed(rank)
+        xs = [torch.randn(8, net[0].in_features, generator=g) for _ in range(4)]
+        x = xs[0]
         t = 0.0
         if method == "gradshare":  # start the threshold near the 99.9th percentile
             net(x).square().mean().backward()
@@ -119,7 +124,7 @@ def _rank(rank: int, world: int, port: int, numel: int, steps: int, out: str) ->
             net.zero_grad()
         run: nn.Module = net if method == "compute" else DDP(net, bucket_cap_mb=4096)
         state = None
-        warmup = 3 if method.startswith("powersgd") else 2
+        warmup = {"gradshare": 25, "powersgd-1": 3, "powersgd-4": 3}.get(method, 2)
         if method == "fp16":
             run.register_comm_hook(None, default_hooks.fp16_compress_hook)
         elif method.startswith("powersgd"):
@@ -138,7 +143,7 @@ def _rank(rank: int, world: int, port: int, numel: int, steps: int, out: str) ->
             dist.barrier()
             start = time.perf_counter()
             run.zero_grad(set_to_none=False)
-            run(x).square().mean().backward()
+            run(xs[i % len(xs)]).square().mean().backward()
             elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             if i >= warmup:

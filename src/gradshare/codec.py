@@ -554,9 +554,9 @@ def message_info(message: torch.Tensor) -> MessageInfo:
     if fmt == FLEXIBLE_ENCODING:
         entries = first
     else:
-        words = message[HEADER_WORDS:].to(torch.int64) & 0xFFFFFFFF
-        sent = (words | (words >> 16)) & 0xFFFF
-        entries = int(((sent.unsqueeze(1) >> torch.arange(16, device=sent.device)) & 1).sum())
+        words = message[HEADER_WORDS:].cpu().numpy().view(np.uint32)
+        sent = (words | (words >> 16)) & 0xFFFF  # one bit per element that moves
+        entries = int(np.bitwise_count(sent).sum())
     return MessageInfo(fmt, entries, numel, t, message.numel() * 4)
 
 
@@ -600,7 +600,7 @@ def _check_bitmap_tail(words: torch.Tensor, numel: int) -> None:
         )
 
 
-def check_message(message: torch.Tensor, numel: int) -> MessageInfo:
+def check_message(message: torch.Tensor, numel: int) -> None:
     """Validate ``message`` whole for a vector of ``numel`` elements, writing nothing.
 
     Runs every check :func:`decode_` runs before it writes, so a message that passes here
@@ -611,7 +611,7 @@ def check_message(message: torch.Tensor, numel: int) -> MessageInfo:
         MessageError: naming the first fault found.
     """
     header = _check_message(message)
-    fmt, _, t = _parse_header(header, message.numel())
+    fmt, _, _ = _parse_header(header, message.numel())
     if header[1] != numel:
         raise MessageError(
             f"Message encodes N = {header[1]} elements, but the vector has {numel}: "
@@ -622,9 +622,8 @@ def check_message(message: torch.Tensor, numel: int) -> MessageInfo:
         k = _first_bad_sparse(payload, numel)
         if k >= 0:
             raise MessageError("Invalid sparse message: " + _fault_text(payload, k, numel) + ".")
-        return MessageInfo(fmt, header[0], numel, t, message.numel() * 4)
-    _check_bitmap_tail(payload, numel)
-    return message_info(message)
+    else:
+        _check_bitmap_tail(payload, numel)
 
 
 def decode_(message: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

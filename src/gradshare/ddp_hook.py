@@ -70,6 +70,7 @@ class ThresholdHookState:
         "iteration",
         "_keys",
         "_first_pass",
+        "_buffers",
         # stats
         "bytes_sent",
         "dense_bytes",
@@ -115,6 +116,7 @@ class ThresholdHookState:
     def _reset_process_local(self) -> None:
         self._keys: dict[int, tuple[int, int]] = {}  # id(parameter) -> place, this process
         self._first_pass = True
+        self._buffers: dict[int, torch.Tensor] = {}  # per bucket: the decoded sum, reused
 
     def _layout(self, bucket: dist.GradBucket) -> list[Slot]:
         params = bucket.parameters()
@@ -202,7 +204,12 @@ class ThresholdHookState:
         self.dense_bytes = int(state["dense_bytes"])
 
     def __getstate__(self) -> dict[str, Any]:
-        skip = {"process_group", "_keys", "_first_pass"}  # not portable to another process
+        skip = {
+            "process_group",
+            "_keys",
+            "_first_pass",
+            "_buffers",
+        }  # not portable to another process
         return {k: getattr(self, k) for k in self.__slots__ if k not in skip}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -258,7 +265,11 @@ def threshold_hook(
         messages = exchange_messages(
             message, numel, group=group, timeout=state.timeout, device=grad.device, failure=failure
         )
-        total = torch.zeros(numel, dtype=torch.float32, device=grad.device)
+        total = state._buffers.get(index)
+        if total is None or total.numel() != numel or total.device != grad.device:
+            total = state._buffers[index] = torch.zeros(numel, device=grad.device)
+        else:
+            total.zero_()
         for m in messages:
             if m is not None:
                 codec.decode_(m, total)
