@@ -310,7 +310,10 @@ def _tick(bar: Any, result: RunResult, n: int = 1) -> None:
 def run_one(config: TrainConfig, name: str, progress: bool = True) -> RunResult:
     """Train once: ``name`` is ``dense`` (exact updates) or ``gradshare`` (encoded)."""
     split = digits(seed=config.seed)
-    rounds = -(-len(split.y_train) // config.batch_size) // config.workers
+    batches = -(-len(split.y_train) // config.batch_size)
+    rounds = (
+        -(-batches // config.workers) if config.mode == "parallel" else batches // config.workers
+    )
     bar = None
     if progress:
         from tqdm.auto import tqdm
