@@ -53,6 +53,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numba
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -106,7 +107,8 @@ def powersgd_bytes(m: nn.Module, rank: int) -> int:
 
 def _rank(rank: int, world: int, port: int, numel: int, steps: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
+    torch.set_num_threads(1)  # the ranks share the machine's cores: one thread each,
+    numba.set_num_threads(1)  # for torch and for gradshare's kernels alike
     dist.init_process_group("gloo", rank=rank, world_size=world)
     from gradshare import AdaptiveThreshold, ThresholdHookState, threshold_hook
 

@@ -16,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from gradshare import codec
 from gradshare.accumulator import to_seconds
-from gradshare.distributed import _wait, exchange_messages
+from gradshare.distributed import _wait, decode_all_, exchange_messages
 from gradshare.encoder import Encoder
 from gradshare.residual import ResidualPostProcessor
 from gradshare.threshold import AdaptiveThreshold, ThresholdAlgorithm
@@ -270,9 +270,7 @@ def threshold_hook(
             total = state._buffers[index] = torch.zeros(numel, device=grad.device)
         else:
             total.zero_()
-        for m in messages:
-            if m is not None:
-                codec.decode_(m, total)
+        decode_all_(messages, total)
         out = total.div_(world).to(grad.dtype)
         state.bytes_sent += 0 if message is None else 4 * message.numel()
     state.dense_bytes += 4 * numel

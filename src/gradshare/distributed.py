@@ -28,7 +28,7 @@ from gradshare.encoder import Encoder, EncodeStats
 from gradshare.residual import ResidualPostProcessor
 from gradshare.threshold import AdaptiveThreshold, ThresholdAlgorithm
 
-__all__ = ["ExchangeError", "SharedOptimizer", "exchange_messages"]
+__all__ = ["ExchangeError", "SharedOptimizer", "decode_all_", "exchange_messages"]
 
 _OK, _FAILED = 0, 1
 
@@ -64,12 +64,11 @@ def exchange_messages(
     ``message`` is this rank's int32 message or None (nothing to send). Pass ``failure`` when
     this rank could not encode: the others then raise :class:`ExchangeError` naming it, and
     this rank re-raises ``failure`` — so one rank's bad input stops every rank, promptly.
-    Every received message is validated whole (:func:`gradshare.codec.check_message`).
+    Decode them with :func:`decode_all_`, which validates each whole and names a bad one's rank.
 
     Raises:
         ExchangeError: another rank failed, the ranks' vector sizes differ, or a collective
             failed or timed out.
-        MessageError: a received message is malformed (on every rank alike).
     """
     rank = dist.get_rank(group)
     world = dist.get_world_size(group)
@@ -110,18 +109,24 @@ def exchange_messages(
         "message exchange",
         rank,
     )
-    out: list[torch.Tensor | None] = []
-    for r, (h, m) in enumerate(zip(table, gathered, strict=True)):
-        if h[1] == 0:
-            out.append(None)
+    return [m[: h[1]] if h[1] else None for h, m in zip(table, gathered, strict=True)]
+
+
+def decode_all_(messages: list[torch.Tensor | None], buffer: torch.Tensor) -> torch.Tensor:
+    """Add every rank's message into ``buffer`` in rank order, naming the rank of a bad one.
+
+    Each message is validated whole by :func:`gradshare.codec.decode_` before it writes; a
+    fault raises the same :class:`MessageError` on every rank, since every rank decodes the
+    same messages. Decode into a scratch buffer: on a fault it holds a partial sum.
+    """
+    for r, m in enumerate(messages):
+        if m is None:
             continue
-        m = m[: h[1]]
         try:
-            codec.check_message(m, numel)
+            codec.decode_(m, buffer)
         except codec.MessageError as e:
             raise codec.MessageError(f"Message from rank {r} is invalid: {e}") from None
-        out.append(m)
-    return out
+    return buffer
 
 
 def _flat_params(params: list[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
@@ -286,10 +291,7 @@ class SharedOptimizer(torch.optim.Optimizer):
             device=self.device,
             failure=failure,
         )
-        buffer = self._buffer.zero_()
-        for m in messages:
-            if m is not None:
-                codec.decode_(m, buffer)
+        buffer = decode_all_(messages, self._buffer.zero_())
         self._apply(params, buffer)
         if message is not None:
             self.bytes_sent += message.numel() * 4
