@@ -9,6 +9,8 @@ from __future__ import annotations
 import hashlib
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -213,3 +215,29 @@ def test_needs_a_process_group() -> None:
     assert not dist.is_initialized()
     with pytest.raises(RuntimeError, match="init_process_group"):
         SharedOptimizer(torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1))
+
+
+def test_destroy_process_group_stops_gloo_threads() -> None:
+    """Guards a crash at exit ("terminate called without an active exception", SIGABRT):
+    torch.distributed.nn.functional, imported lazily by torch (a first torch.optim optimizer
+    does), binds the live default group as argument defaults, so destroy_process_group() could
+    not free it and gloo's threads took the GIL during interpreter finalisation. Importing
+    gradshare first must leave no gloo thread alive after destroy_process_group()."""
+    script = (
+        "import glob, tempfile\n"
+        "import gradshare\n"
+        "import torch, torch.distributed as dist\n"
+        "store = dist.FileStore(tempfile.mkdtemp() + '/store', 1)\n"
+        "dist.init_process_group('gloo', store=store, rank=0, world_size=1)\n"
+        "torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)\n"
+        "dist.all_gather([torch.empty(3)], torch.ones(3))\n"
+        "assert any('gloo' in open(p).read() for p in glob.glob('/proc/self/task/*/comm'))\n"
+        "dist.destroy_process_group()\n"
+        "names = [open(p).read().strip() for p in glob.glob('/proc/self/task/*/comm')]\n"
+        "print([n for n in names if 'gloo' in n])\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "[]"

@@ -22,13 +22,22 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
+# torch.distributed.nn.functional binds `group=group.WORLD` as argument defaults when first
+# imported, and torch imports it lazily (torch._dynamo does, e.g. on a first torch.optim
+# optimizer). Imported after init_process_group, those defaults hold the default group for
+# good: destroy_process_group() cannot free it, its gloo threads outlive the interpreter, and
+# one may take the GIL during finalization (to release the last tensors of a collective) and
+# abort the process ("terminate called without an active exception"). Imported here, before
+# any group exists, those defaults are None.
+import torch.distributed.nn.functional
+
 from gradshare import codec
 from gradshare.accumulator import to_seconds
 from gradshare.encoder import Encoder, EncodeStats
 from gradshare.residual import ResidualPostProcessor
 from gradshare.threshold import AdaptiveThreshold, ThresholdAlgorithm
 
-__all__ = ["ExchangeError", "SharedOptimizer", "decode_all_", "exchange_messages"]
+__all__ = ["ExchangeError", "SharedOptimizer", "exchange_messages"]
 
 _OK, _FAILED = 0, 1
 
