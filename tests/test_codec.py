@@ -668,3 +668,115 @@ def test_decode_rejects_other_device_message() -> None:
     msg, n = _good_sparse()
     with pytest.raises(ValueError, match="device"):
         decode_(msg.to("meta"), torch.zeros(n))
+
+
+def _mixed_messages(n: int, kinds: str, dtype: torch.dtype, seed: int) -> list[torch.Tensor | None]:
+    """One message per letter of ``kinds`` (s: sparse, b: bitmap, -: None) for N = ``n``."""
+    g = torch.Generator().manual_seed(seed)
+    out: list[torch.Tensor | None] = []
+    for k in kinds:
+        r = (torch.randn(n, generator=g) * 2).to(dtype)
+        out.append(
+            None if k == "-" else encode_sparse_(r, 1.0) if k == "s" else encode_bitmap_(r, 0.7)
+        )
+    return out
+
+
+def _reference_sum(messages: list[torch.Tensor | None], n: int, dtype: torch.dtype, divisor: float):
+    total = torch.zeros(n, dtype=dtype)
+    for m in messages:
+        if m is not None:
+            decode_(m, total)
+    return total.div_(divisor)
+
+
+class TestFusedSums:
+    """decode_sum_ / subtract_sum_ equal zero, decode each in order, divide (and subtract),
+    bit for bit, on the kernels and on the torch path; a bad message changes nothing."""
+
+    @pytest.mark.parametrize("n", [5, 17, 65536, 3 * 65536 + 77])
+    @pytest.mark.parametrize("kinds", ["sss", "s-bs", "b", "", "bb", "-s"])
+    @pytest.mark.parametrize("dtype", FLOATS)
+    def test_equal_to_decoding_one_by_one(self, n: int, kinds: str, dtype: torch.dtype) -> None:
+        messages = _mixed_messages(n, kinds, dtype, seed=n)
+        for divisor in (1, 3, 4.0):
+            ref = _reference_sum(messages, n, dtype, divisor)
+            for path in (contextlib.nullcontext, torch_path):
+                with path():
+                    out = torch.full((n,), 7.0, dtype=dtype)
+                    codec.decode_sum_(messages, out, divisor=divisor)
+                    assert torch.equal(bits(out), bits(ref))
+                    params = torch.randn(n, generator=torch.Generator().manual_seed(1)).to(dtype)
+                    params[0] = -0.0
+                    expected = params - ref
+                    scratch = torch.zeros(n, dtype=dtype)
+                    codec.subtract_sum_(messages, params, scratch, divisor=divisor)
+                    assert torch.equal(bits(params), bits(expected))
+                    assert torch.equal(bits(scratch), bits(torch.zeros(n, dtype=dtype)))
+
+    def test_overlapping_entries_sum_before_subtracting(self) -> None:
+        """Two messages naming one element: p - (t + t), not (p - t) - t."""
+        n = 40
+        a, b = torch.zeros(n), torch.zeros(n)
+        a[[3, 9]], b[[3, 20]] = 0.3, 0.3
+        ma, mb = encode_sparse_(a, 0.1), encode_sparse_(b, 0.1)
+        params = torch.full((n,), 1.0)
+        codec.subtract_sum_([ma, mb], params, torch.zeros(n), divisor=3)
+        t = torch.tensor(0.1, dtype=torch.float32)
+        assert params[3] == 1.0 - (t + t) / 3 and params[9] == 1.0 - t / 3
+        assert params[0] == 1.0
+
+    @pytest.mark.parametrize("fused", ["decode_sum_", "subtract_sum_"])
+    def test_bad_message_names_it_and_writes_nothing(self, fused: str) -> None:
+        messages = _mixed_messages(300, "sbs", torch.float32, seed=3)
+        bad = messages[2]
+        assert bad is not None
+        bad[6] = bad[5]  # entries no longer ascending
+        target = torch.randn(300)
+        before = target.clone()
+        scratch = torch.zeros(300)
+        with pytest.raises(MessageError, match="Message from rank 2 is invalid: Invalid sparse"):
+            if fused == "decode_sum_":
+                codec.decode_sum_(messages, target, names=["rank 0", "rank 1", "rank 2"])
+            else:
+                codec.subtract_sum_(messages, target, scratch, names=["rank 0", "rank 1", "rank 2"])
+        assert torch.equal(bits(target), bits(before)) and not scratch.any()
+
+    def test_bad_arguments(self) -> None:
+        msg, n = _good_sparse()
+        with pytest.raises(ValueError, match="divisor"):
+            codec.decode_sum_([msg], torch.zeros(n), divisor=0)
+        with pytest.raises(ValueError, match="scratch"):
+            codec.subtract_sum_([msg], torch.zeros(n), torch.zeros(n, dtype=torch.float64))
+        with pytest.raises(MessageError, match="position 0"):
+            codec.decode_sum_([msg], torch.zeros(n + 1))
+
+
+def test_serial_kernels_equal_parallel() -> None:
+    """The serial twins (used by worker threads) give the parallel kernels' results bit for
+    bit: sparse with and without a boundary, bitmap, fused sums, validation, finiteness."""
+    x = _patterned(3 * 65536 + 77, [5, 5000, 40], torch.float32, seed=4)
+    results = []
+    for ctx in (contextlib.nullcontext, codec.serial_kernels):
+        with ctx():
+            out = []
+            for encode in (
+                lambda r: encode_sparse_(r, 1.0),
+                lambda r: encode_sparse_(r, 1.0, 3000),
+                lambda r: encode_bitmap_(r, 1.0),
+            ):
+                r = x.clone()
+                out += [encode(r), r]
+            total = torch.empty_like(x)
+            codec.decode_sum_([out[0], out[4]], total, divisor=3)
+            out.append(total)
+            bad = out[0].clone()
+            bad[-1] = bad[-2]
+            with pytest.raises(MessageError, match=f"entry {bad.numel() - 5} is"):
+                codec.check_message(bad, x.numel())
+            y = x.clone()
+            y[[7, 70000]] = float("nan")
+            out.append(torch.tensor(codec.find_nonfinite(y)))
+            results.append(out)
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)

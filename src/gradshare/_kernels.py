@@ -33,6 +33,8 @@ each kernel on its first call (cached on disk), so importing gradshare compiles 
 
 from __future__ import annotations
 
+import types as types_
+
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
@@ -57,17 +59,25 @@ def num_chunks(n: int) -> int:
     return (n + CHUNK - 1) // CHUNK
 
 
-@njit(**_OPTS)
+@njit(fastmath={"reassoc"}, **_OPTS)
 def count_nonfinite(x, counts):  # pragma: no cover - compiled
-    """Count the non-finite elements of ``x`` per chunk into ``counts``."""
+    """Count the non-finite elements of ``x`` per chunk into ``counts``.
+
+    A vectorised sum of ``x - x`` (0 for a finite x, NaN otherwise) tells whether a chunk has
+    any; only such a chunk is counted element by element.
+    """
     n = x.size
     for c in prange(counts.size):
         lo = c * CHUNK
         hi = min(lo + CHUNK, n)
         xs = x[lo:hi]
-        bad = 0
+        acc = xs[0] - xs[0]
         for j in range(hi - lo):
-            bad += not (abs(xs[j]) < np.inf)
+            acc += xs[j] - xs[j]
+        bad = 0
+        if acc != acc:
+            for j in range(hi - lo):
+                bad += not (abs(xs[j]) < np.inf)
         counts[c] = bad
 
 
@@ -518,17 +528,6 @@ def emit_sparse(r, t, counts, offsets, ent, old, take, message, bits):  # pragma
     return dsumsq
 
 
-@njit(fastmath={"reassoc"}, nogil=True, cache=True)
-def emit_sparse_small(r, t, counts, offsets, ent, old, take, message, bits):  # pragma: no cover
-    """:func:`emit_sparse` in the calling thread, for few entries (no thread launch)."""
-    _emit_prefix(counts, offsets, message, take, r.size, bits)
-    entries = message[4:]
-    dsumsq = 0.0
-    for c in range(counts.size):
-        dsumsq += _emit_chunk(r, t, counts, offsets, ent, old, take, entries, c)
-    return dsumsq
-
-
 @njit(inline="always")
 def _bitmap_code(v, t, half, zero):  # pragma: no cover - compiled
     """(new value, magnitude bit, sign bit) of one element; bitwise ops keep it branch-free."""
@@ -680,3 +679,144 @@ def decode_sparse_small(entries, n, t, target):  # pragma: no cover - compiled
         else:
             target[-e - 1] -= t
     return -1
+
+
+@njit(nogil=True, cache=True)
+def _lower_bound(entries, lo, hi, value):  # pragma: no cover - compiled
+    """First position in ``entries[lo:hi]`` (ascending in ``|e|``) with ``|e| >= value``."""
+    while lo < hi:
+        mid = (lo + hi) // 2
+        e = np.int64(entries[mid])
+        if (e if e > 0 else -e) < value:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+@njit(inline="always")
+def _range_in_chunk(flat, start, length, lo, hi):  # pragma: no cover - compiled
+    """The entries of the sparse message at ``start`` that fall in elements ``lo..hi``."""
+    first = start + 4
+    end = start + length
+    a = _lower_bound(flat, first, end, lo + 1)
+    return a, _lower_bound(flat, a, end, hi + 1)
+
+
+@njit(fastmath={"reassoc"}, **_OPTS)
+def decode_sum(
+    target, flat, starts, lengths, fmts, ts, divisor, exact_inverse, subtract, scratch
+):  # pragma: no cover
+    """Decode validated messages, in order, into a sum; overwrite or subtract it from ``target``.
+
+    Message ``m`` is ``flat[starts[m] : starts[m] + lengths[m]]`` (format ``fmts[m]``,
+    threshold ``ts[m]``). Per chunk of ``target``, while it is in cache: the sum starts at 0
+    (in ``target`` itself, or in ``scratch`` with ``subtract``); every message adds its
+    entries of the chunk (a binary search finds a sparse message's range). Then either
+    ``target = sum / divisor`` or ``target -= sum / divisor``; with only sparse messages the
+    subtraction touches just their entries and puts ``scratch`` back to zeros. Each element
+    sees the operations of zero, decode each, divide, subtract, in that order: the results
+    equal the unfused path bit for bit. With ``exact_inverse`` (a power of two) the division
+    is a multiplication by ``1 / divisor``, which rounds the same.
+    """
+    n = target.size
+    dense = False
+    for m in range(fmts.size):
+        dense |= fmts[m] != 0
+    divide = divisor != 1
+    zero = divisor - divisor
+    inverse = 1 / divisor
+    for c in prange((n + CHUNK - 1) // CHUNK):
+        lo = c * CHUNK
+        hi = min(lo + CHUNK, n)
+        buf = scratch[lo:hi] if subtract else target[lo:hi]
+        if not subtract:
+            for j in range(hi - lo):
+                buf[j] = zero
+        for m in range(fmts.size):
+            t = ts[m]
+            if fmts[m] == 0:
+                a, b = _range_in_chunk(flat, starts[m], lengths[m], lo, hi)
+                for k in range(a, b):
+                    e = flat[k]
+                    if e > 0:
+                        buf[e - 1 - lo] += t
+                    else:
+                        buf[-e - 1 - lo] -= t
+            else:
+                _bitmap_into(flat[starts[m] + 4 + lo // 16 : starts[m] + lengths[m]], t, buf)
+        if not subtract:
+            if divide and exact_inverse:
+                for j in range(hi - lo):
+                    buf[j] *= inverse
+            elif divide:
+                for j in range(hi - lo):
+                    buf[j] /= divisor
+            continue
+        ps = target[lo:hi]
+        if dense and divide and exact_inverse:
+            for j in range(hi - lo):
+                ps[j] -= buf[j] * inverse
+                buf[j] = zero
+        elif dense and divide:
+            for j in range(hi - lo):
+                ps[j] -= buf[j] / divisor
+                buf[j] = zero
+        elif dense:
+            for j in range(hi - lo):
+                ps[j] -= buf[j]
+                buf[j] = zero
+        else:
+            for m in range(fmts.size):
+                a, b = _range_in_chunk(flat, starts[m], lengths[m], lo, hi)
+                for k in range(a, b):
+                    e = flat[k]
+                    i = (e if e > 0 else -e) - 1 - lo
+                    ps[i] -= buf[i] / divisor if divide else buf[i]
+                    buf[i] = zero
+
+
+@njit(inline="always")
+def _bitmap_into(words, t, buf):  # pragma: no cover - compiled
+    """Add a chunk's bitmap ``words`` (int32, from the chunk's first word) into ``buf``."""
+    half = t / 2
+    zero = t - t
+    m = buf.size
+    for w in range((m + 15) // 16):
+        width = min(16, m - w * 16)
+        tb = buf[w * 16 : w * 16 + width]
+        word = np.uint32(words[w])
+        for j in range(width):
+            mag = (word >> np.uint32(j)) & np.uint32(1)
+            sgn = (word >> np.uint32(j + 16)) & np.uint32(1)
+            step = -t if sgn else t
+            hstep = -half if sgn else zero
+            tb[j] += step if mag else hstep
+
+
+def _serial_twin(kernel):  # pragma: no cover - runs at import of this module
+    """The same kernel compiled without ``parallel`` (``prange`` runs as ``range``).
+
+    For callers that are themselves one of several worker threads: no thread pool is woken,
+    so nothing spins against the other workers, and no lock is needed.
+    """
+    fn = kernel.py_func
+    twin = types_.FunctionType(
+        fn.__code__, fn.__globals__, fn.__name__ + "_serial", fn.__defaults__, fn.__closure__
+    )
+    twin.__qualname__ = fn.__qualname__ + "_serial"  # its own numba cache files
+    twin.__doc__ = fn.__doc__
+    options = {k: v for k, v in kernel.targetoptions.items() if k not in ("parallel", "nopython")}
+    return njit(**options)(twin)
+
+
+PARALLEL = {
+    k.py_func.__name__: k
+    for k in (
+        count_nonfinite, scan, undo, emit_sparse, encode_bitmap, first_bad_entry,
+        decode_sparse, decode_bitmap, decode_sum,
+    )
+}  # fmt: skip
+"""The kernels that run chunks in parallel, by name."""
+SERIAL = {name: _serial_twin(k) for name, k in PARALLEL.items()}
+"""Their serial twins, by name."""

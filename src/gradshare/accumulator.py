@@ -130,6 +130,9 @@ class EncodedGradientsAccumulator:
         self._lock = threading.Lock()
         self._queues: list[list[tuple[int, int, torch.Tensor]]] = [[] for _ in range(num_parties)]
         self._buffers: list[torch.Tensor | None] = [None] * num_parties
+        """Per party, the decoded sum when it cannot go straight into the parameters."""
+        self._scratch: list[torch.Tensor | None] = [None] * num_parties
+        """Per party, zeros for :func:`gradshare.codec.subtract_sum_`."""
         self._external: IndexedTail | None = None
         self._bypass = False
         self._consumers = num_parties
@@ -285,40 +288,47 @@ class EncodedGradientsAccumulator:
         external = self._external is not None and self._external.has_anything(party)
         if not ready and not external:
             return 0
-        buffer = self._buffer(party, numel, tensors[0].device)
-        for _, _, message in ready:  # a fault raises here: params and queue are untouched
-            if message.dtype == torch.int32:
-                codec.decode_(message.to(buffer.device), buffer)
-            elif message.numel() != numel:
-                raise ValueError(
-                    f"Expect params of {message.numel()} elements (the updates'), got {numel}."
-                )
+        device = tensors[0].device
+        messages = [m.to(device) for _, _, m in ready]
+        names = [f"party {p} (round {r})" for r, p, _ in ready]
+        divisor = self._consumers if self.reduction == "mean" else 1
+        # a fault raises before anything is written: params and queue stay untouched
+        if self.encoders is not None and not external and len(tensors) == 1:
+            flat = tensors[0].detach().reshape(-1)
+            scratch = _zeros(self._scratch, party, flat.numel(), flat.dtype, device)
+            codec.subtract_sum_(messages, flat, scratch, divisor=divisor, names=names)
+            if flat.data_ptr() != tensors[0].data_ptr():  # a non-contiguous tensor: a copy
+                tensors[0].detach().copy_(flat.view_as(tensors[0]))
+        else:
+            buffer = _zeros(self._buffers, party, numel, torch.float32, device)
+            if self.encoders is not None:
+                codec.decode_sum_(messages, buffer, names=names)
             else:
-                buffer.add_(message.to(buffer.device))
+                for message in messages:
+                    if message.numel() != numel:
+                        raise ValueError(
+                            f"Expect params of {message.numel()} elements (the updates'), got "
+                            f"{numel}."
+                        )
+                buffer.zero_()
+                for message in messages:
+                    buffer.add_(message)
+            if external:
+                assert self._external is not None
+                self._external.drain_to(party, buffer)
+            if divisor != 1:
+                buffer.div_(divisor)
+            with torch.no_grad():
+                offset = 0
+                for p in tensors:
+                    n = p.numel()
+                    p.sub_(buffer[offset : offset + n].view_as(p))
+                    offset += n
         with self._lock:
             taken = {id(m) for m in ready}
             self._queues[party] = [m for m in self._queues[party] if id(m) not in taken]
-        if external:
-            assert self._external is not None
-            self._external.drain_to(party, buffer)
-        if self.reduction == "mean":
-            buffer.div_(self._consumers)
-        with torch.no_grad():
-            offset = 0
-            for p in tensors:
-                n = p.numel()
-                p.sub_(buffer[offset : offset + n].view_as(p))
-                offset += n
         self.timings["apply"][party] += time.perf_counter() - start
         return len(ready)
-
-    def _buffer(self, party: int, numel: int, device: torch.device) -> torch.Tensor:
-        buffer = self._buffers[party]
-        if buffer is None or buffer.numel() != numel or buffer.device != device:
-            buffer = self._buffers[party] = torch.zeros(numel, device=device)
-        else:
-            buffer.zero_()
-        return buffer
 
     def has_anything(self, party: int) -> bool:
         """Whether ``party`` has queued messages or unread external updates."""
@@ -377,3 +387,18 @@ class EncodedGradientsAccumulator:
             self._queues = [[(r, p, m.clone()) for r, p, m in q] for q in state["queues"]]
             self._round = int(state["round"])
             self.bytes_sent = list(state["bytes_sent"])
+
+
+def _zeros(
+    store: list[torch.Tensor | None], party: int, numel: int, dtype: torch.dtype, device: Any
+) -> torch.Tensor:
+    """``store[party]``, (re)made as zeros when it does not fit ``numel``, ``dtype``, ``device``."""
+    buffer = store[party]
+    if (
+        buffer is None
+        or buffer.numel() != numel
+        or buffer.dtype != dtype
+        or buffer.device != device
+    ):
+        buffer = store[party] = torch.zeros(numel, dtype=dtype, device=device)
+    return buffer

@@ -27,9 +27,11 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import math
 import struct
 import threading
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -47,10 +49,12 @@ __all__ = [
     "bitmap_length",
     "check_message",
     "decode_",
+    "decode_sum_",
     "encode_bitmap_",
     "encode_sparse_",
     "message_info",
     "sparse_length",
+    "subtract_sum_",
 ]
 
 FLEXIBLE_ENCODING = 0
@@ -156,8 +160,8 @@ def _use_kernels(x: torch.Tensor) -> bool:
 
 _kernels_module: ModuleType | None = None
 _kernel_lock = threading.Lock()
-"""Serialises kernel calls: each already uses every core, and not every numba threading layer
-accepts launches from several threads at once."""
+"""Serialises parallel kernel calls: each already uses every core, and not every numba
+threading layer accepts launches from several threads at once."""
 
 
 def _k() -> ModuleType:
@@ -169,6 +173,32 @@ def _k() -> ModuleType:
     return _kernels_module
 
 
+@contextlib.contextmanager
+def serial_kernels() -> Iterator[None]:
+    """Run this thread's kernel calls single-threaded while in the block.
+
+    For code that is itself one of several worker threads (:class:`gradshare.ParallelWrapper`'s
+    workers): the workers then encode and decode at the same time, each on its own core,
+    instead of queueing for the kernels' thread pool, whose idle threads would spin against
+    the other workers.
+    """
+    saved = getattr(_local, "serial", False)
+    _local.serial = True
+    try:
+        yield
+    finally:
+        _local.serial = saved
+
+
+def _launch(name: str, *args: Any) -> Any:
+    """Call kernel ``name``: its serial twin when asked or ``small``, else the parallel one."""
+    k = _k()
+    if getattr(_local, "serial", False):
+        return k.SERIAL[name](*args)
+    with _kernel_lock:
+        return k.PARALLEL[name](*args)
+
+
 def _scalar(t: float, x: torch.Tensor) -> Any:
     return np.float32(t) if x.dtype == torch.float32 else np.float64(t)
 
@@ -176,10 +206,8 @@ def _scalar(t: float, x: torch.Tensor) -> Any:
 def find_nonfinite(x: torch.Tensor) -> tuple[int, int]:
     """Return (number of non-finite elements of a 1-D tensor, index of the first or -1)."""
     if _use_kernels(x):
-        k = _k()
-        counts = np.zeros(k.num_chunks(x.numel()), np.int64)
-        with _kernel_lock:
-            k.count_nonfinite(x.detach().numpy(), counts)
+        counts = np.zeros(_k().num_chunks(x.numel()), np.int64)
+        _launch("count_nonfinite", x.detach().numpy(), counts)
         bad = int(counts.sum())
     else:
         bad = int((~torch.isfinite(x)).sum())
@@ -262,8 +290,7 @@ class Workspace:
             r = self._pending[1]
             self._pending = None
             _, counts, _, old = self._reserve(r.size, r.dtype)
-            with _kernel_lock:
-                _k().undo(r, counts, self._ent, old)
+            _launch("undo", r, counts, self._ent, old)
 
     def scan_(self, residual: torch.Tensor, update: torch.Tensor | None, t: float) -> int:
         """``residual += update`` (if given); count and remember the elements with ``|x| >= t``."""
@@ -276,8 +303,7 @@ class Workspace:
             _, counts, _, old = self._reserve(n, r.dtype)
             ts = self._scalar(t, r.dtype)
             self._t, self._n = t, n
-            with _kernel_lock:
-                count, sumsq = _k().scan(r, u, update is not None, ts, counts, self._ent, old)
+            count, sumsq = _launch("scan", r, u, update is not None, ts, counts, self._ent, old)
             self.count, self.sumsq = count, sumsq
             if count >= 2:
                 self._pending = (residual, r)
@@ -306,8 +332,7 @@ class Workspace:
         r = _array(residual)
         _, counts, _, old = self._reserve(r.size, r.dtype)
         ts = self._scalar(self._t, r.dtype)
-        with _kernel_lock:
-            _k().scan(r, r, False, ts, counts, self._ent, old)
+        _launch("scan", r, r, False, ts, counts, self._ent, old)
         return r
 
     def emit_(self, residual: torch.Tensor, limit: int | None = None) -> torch.Tensor:
@@ -320,12 +345,11 @@ class Workspace:
             r = self._take_pending(residual)
             _, counts, offsets, old = self._reserve(n, r.dtype)
             ts = self._scalar(t, r.dtype)
-            k = _k()
-            kernel = k.emit_sparse_small if count < k.SMALL else k.emit_sparse
-            with _kernel_lock:
-                dsumsq = kernel(
-                    r, ts, counts, offsets, self._ent, old, take, message.numpy(), self._bits
-                )
+            args = (r, ts, counts, offsets, self._ent, old, take, message.numpy(), self._bits)
+            if count < _k().SMALL:  # too few entries to be worth waking the thread pool
+                dsumsq = _k().SERIAL["emit_sparse"](*args)
+            else:
+                dsumsq = _launch("emit_sparse", *args)
             self.sumsq += dsumsq
             return message
         message = torch.empty(take + HEADER_WORDS, dtype=torch.int32, device=residual.device)
@@ -363,18 +387,18 @@ class Workspace:
             msg = message.numpy()
             msg[:HEADER_WORDS] = (n, n, self._bits, BITMAP_ENCODING)
             msg[-1] = 0
-            with _kernel_lock:
-                sent, sumsq = _k().encode_bitmap(
-                    r,
-                    u,
-                    update is not None,
-                    ts,
-                    msg[HEADER_WORDS:].view(np.uint32),
-                    counts,
-                    pending,
-                    self._ent,
-                    old,
-                )
+            sent, sumsq = _launch(
+                "encode_bitmap",
+                r,
+                u,
+                update is not None,
+                ts,
+                msg[HEADER_WORDS:].view(np.uint32),
+                counts,
+                pending,
+                self._ent,
+                old,
+            )
             self.sumsq = sumsq
             return message, sent
         _write_header(message, n, n, t, BITMAP_ENCODING)
@@ -577,10 +601,8 @@ def _first_bad_sparse(entries: torch.Tensor, numel: int) -> int:
     if entries.numel() == 0:
         return -1
     if entries.device.type == "cpu":
-        k = _k()
-        bad = np.empty(k.num_chunks(entries.numel()), np.int64)
-        with _kernel_lock:
-            k.first_bad_entry(entries.numpy(), numel, bad)
+        bad = np.empty(_k().num_chunks(entries.numel()), np.int64)
+        _launch("first_bad_entry", entries.numpy(), numel, bad)
         hits = bad[bad >= 0]
         return int(hits[0]) if hits.size else -1
     a = entries.long().abs()
@@ -610,8 +632,13 @@ def check_message(message: torch.Tensor, numel: int) -> None:
     Raises:
         MessageError: naming the first fault found.
     """
+    _validate(message, numel)
+
+
+def _validate(message: Any, numel: int) -> tuple[int, float]:
+    """(format, t) of ``message`` after every check for a vector of ``numel`` elements."""
     header = _check_message(message)
-    fmt, _, _ = _parse_header(header, message.numel())
+    fmt, _, t = _parse_header(header, message.numel())
     if header[1] != numel:
         raise MessageError(
             f"Message encodes N = {header[1]} elements, but the vector has {numel}: "
@@ -624,6 +651,7 @@ def check_message(message: torch.Tensor, numel: int) -> None:
             raise MessageError("Invalid sparse message: " + _fault_text(payload, k, numel) + ".")
     else:
         _check_bitmap_tail(payload, numel)
+    return fmt, t
 
 
 def decode_(message: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -656,8 +684,7 @@ def decode_(message: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         and _use_kernels(target)
     ):
         entries = words[HEADER_WORDS:]
-        with _kernel_lock:
-            k = _k().decode_sparse_small(entries, numel, _scalar(t, target), _array(target))
+        k = _k().decode_sparse_small(entries, numel, _scalar(t, target), _array(target))
         if k >= 0:
             raise MessageError("Invalid sparse message: " + _fault_text(entries, k, numel) + ".")
         return target
@@ -673,12 +700,112 @@ def decode_(message: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return target
 
 
+def decode_sum_(
+    messages: Sequence[torch.Tensor | None],
+    out: torch.Tensor,
+    *,
+    divisor: float = 1.0,
+    names: Sequence[str] | None = None,
+) -> torch.Tensor:
+    """Overwrite ``out`` with the sum of the decoded ``messages`` divided by ``divisor``.
+
+    The same result, bit for bit, as zeroing ``out``, decoding the messages into it in order
+    (None entries are skipped) and dividing by ``divisor``; on CPU it is one pass over
+    ``out``, each chunk zeroed, decoded into and divided while it is in cache. Every message
+    is validated whole first: on a fault :class:`MessageError` names it (by ``names[i]``,
+    e.g. ``"rank 2"``, default ``"position i"``) and ``out`` is untouched.
+    """
+    return _sum_(messages, out, None, divisor, names)
+
+
+def subtract_sum_(
+    messages: Sequence[torch.Tensor | None],
+    params: torch.Tensor,
+    scratch: torch.Tensor,
+    *,
+    divisor: float = 1.0,
+    names: Sequence[str] | None = None,
+) -> torch.Tensor:
+    """Step ``params -= (sum of the decoded messages) / divisor`` and return ``params``.
+
+    The same result, bit for bit, as decoding the messages in order into a zeroed buffer,
+    dividing it by ``divisor`` and subtracting it. ``scratch`` is a buffer like ``params``
+    that holds zeros and is left holding zeros. On CPU, when every message is sparse, only
+    the elements the messages name are touched, so a step costs O(entries), not O(N).
+    Messages are validated whole first; on a fault ``params`` and ``scratch`` are untouched.
+    """
+    if scratch.shape != params.shape or scratch.dtype != params.dtype:
+        raise ValueError(
+            f"Expect `scratch` like `params` ({params.dtype}, {tuple(params.shape)}), got "
+            f"{scratch.dtype}, {tuple(scratch.shape)}."
+        )
+    return _sum_(messages, params, scratch, divisor, names)
+
+
+def _sum_(
+    messages: Sequence[torch.Tensor | None],
+    target: torch.Tensor,
+    scratch: torch.Tensor | None,
+    divisor: float,
+    names: Sequence[str] | None,
+) -> torch.Tensor:
+    check_vector(target, "target")
+    if not (isinstance(divisor, (int, float)) and math.isfinite(divisor) and divisor > 0):
+        raise ValueError(f"Expect `divisor` finite and > 0, got {divisor!r}.")
+    numel = target.numel()
+    present: list[tuple[torch.Tensor, int, float]] = []
+    for i, m in enumerate(messages):
+        if m is None:
+            continue
+        try:
+            if isinstance(m, torch.Tensor) and m.device != target.device:
+                raise MessageError(f"it is on {m.device}, the target on {target.device}")
+            fmt, t = _validate(m, numel)
+        except MessageError as e:
+            name = f"position {i}" if names is None else names[i]
+            raise MessageError(f"Message from {name} is invalid: {e}") from None
+        present.append((m, fmt, t))
+    if _use_kernels(target):
+        lengths = np.array([m.numel() for m, _, _ in present], np.int64)
+        starts = np.zeros(len(present), np.int64)
+        np.cumsum(lengths[:-1], out=starts[1:])
+        flat = torch.cat([m for m, _, _ in present]).numpy() if present else np.zeros(0, np.int32)
+        dtype = _array(target).dtype
+        _launch(
+            "decode_sum",
+            _array(target),
+            flat,
+            starts,
+            lengths,
+            np.array([f for _, f, _ in present], np.int64),
+            np.array([t for _, _, t in present], dtype),
+            dtype.type(divisor),
+            math.frexp(divisor)[0] == 0.5,  # a power of two: 1/divisor is exact
+            scratch is not None,
+            _array(target if scratch is None else scratch),
+        )
+        return target
+    buf = target if scratch is None else scratch
+    if scratch is None:
+        buf.zero_()
+    for m, fmt, t in present:
+        if fmt == FLEXIBLE_ENCODING:
+            _apply_sparse(m[HEADER_WORDS:], t, buf)
+        else:
+            _apply_bitmap(m[HEADER_WORDS:], t, buf)
+    if divisor != 1:
+        buf.div_(divisor)
+    if scratch is not None:
+        target.sub_(buf)
+        buf.zero_()
+    return target
+
+
 def _apply_sparse(entries: torch.Tensor, t: float, target: torch.Tensor) -> None:
     if entries.numel() == 0:
         return
     if _use_kernels(target):
-        with _kernel_lock:
-            _k().decode_sparse(entries.numpy(), _scalar(t, target), target.detach().numpy())
+        _launch("decode_sparse", entries.numpy(), _scalar(t, target), target.detach().numpy())
         return
     e = entries.long()
     idx = e.abs() - 1
@@ -689,10 +816,12 @@ def _apply_sparse(entries: torch.Tensor, t: float, target: torch.Tensor) -> None
 
 def _apply_bitmap(words: torch.Tensor, t: float, target: torch.Tensor) -> None:
     if _use_kernels(target):
-        with _kernel_lock:
-            _k().decode_bitmap(
-                words.numpy().view(np.uint32), _scalar(t, target), target.detach().numpy()
-            )
+        _launch(
+            "decode_bitmap",
+            words.numpy().view(np.uint32),
+            _scalar(t, target),
+            target.detach().numpy(),
+        )
         return
     n = target.numel()
     w = words.to(torch.int64) & 0xFFFFFFFF

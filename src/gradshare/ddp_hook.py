@@ -16,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from gradshare import codec
 from gradshare.accumulator import to_seconds
-from gradshare.distributed import _wait, decode_all_, exchange_messages
+from gradshare.distributed import _rank_names, _wait, exchange_messages
 from gradshare.encoder import Encoder
 from gradshare.residual import ResidualPostProcessor
 from gradshare.threshold import AdaptiveThreshold, ThresholdAlgorithm
@@ -116,7 +116,14 @@ class ThresholdHookState:
     def _reset_process_local(self) -> None:
         self._keys: dict[int, tuple[int, int]] = {}  # id(parameter) -> place, this process
         self._first_pass = True
-        self._buffers: dict[int, torch.Tensor] = {}  # per bucket: the decoded sum, reused
+        self._buffers: dict[int, torch.Tensor] = {}  # per bucket: float32 sums of fp16 grads
+
+    def _buffer(self, index: int, like: torch.Tensor) -> torch.Tensor:
+        """Bucket ``index``'s float32 buffer for sums of gradients of another dtype."""
+        buffer = self._buffers.get(index)
+        if buffer is None or buffer.numel() != like.numel() or buffer.device != like.device:
+            buffer = self._buffers[index] = torch.empty(like.numel(), device=like.device)
+        return buffer
 
     def _layout(self, bucket: dist.GradBucket) -> list[Slot]:
         params = bucket.parameters()
@@ -231,7 +238,8 @@ def threshold_hook(
     1. Add the local gradient into the bucket's residual and encode what crossed the
        threshold (sparse indices or a 2-bit bitmap; the rest stays in the residual).
     2. Exchange every rank's message (sizes, then the padded int32 payloads).
-    3. Decode them in rank order into a zeroed buffer and divide by the world size.
+    3. Decode them in rank order into the zeroed bucket and divide by the world size (one
+       fused pass: :func:`gradshare.codec.decode_sum_`).
 
     Summed over steps, what the hook returns equals the true mean gradients minus the mean of
     the ranks' current residuals. The exchange runs inside the hook, so the result future is
@@ -250,7 +258,7 @@ def threshold_hook(
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     if state.iteration < state.start_iter:
         state._layout(bucket)  # learn the canonical layout in the first pass
-        out = grad.div(world)
+        out = grad.div_(world)
         work = dist.all_reduce(out, group=group, async_op=True)
         _wait(work, state.timeout, "gradient all-reduce", dist.get_rank(group))
         state.bytes_sent += 4 * numel
@@ -265,13 +273,10 @@ def threshold_hook(
         messages = exchange_messages(
             message, numel, group=group, timeout=state.timeout, device=grad.device, failure=failure
         )
-        total = state._buffers.get(index)
-        if total is None or total.numel() != numel or total.device != grad.device:
-            total = state._buffers[index] = torch.zeros(numel, device=grad.device)
-        else:
-            total.zero_()
-        decode_all_(messages, total)
-        out = total.div_(world).to(grad.dtype)
+        # the gradient now lives in the residual: its buffer takes the mean (float32 sums)
+        total = grad if grad.dtype == torch.float32 else state._buffer(index, grad)
+        codec.decode_sum_(messages, total, divisor=world, names=_rank_names(world))
+        out = total if total is grad else grad.copy_(total)
         state.bytes_sent += 0 if message is None else 4 * message.numel()
     state.dense_bytes += 4 * numel
     if bucket.is_last():

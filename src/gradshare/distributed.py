@@ -73,7 +73,8 @@ def exchange_messages(
     ``message`` is this rank's int32 message or None (nothing to send). Pass ``failure`` when
     this rank could not encode: the others then raise :class:`ExchangeError` naming it, and
     this rank re-raises ``failure`` — so one rank's bad input stops every rank, promptly.
-    Decode them with :func:`decode_all_`, which validates each whole and names a bad one's rank.
+    Decode them with :func:`gradshare.codec.decode_sum_` or :func:`~gradshare.codec.subtract_sum_`,
+    which validate each whole first and name a bad one's rank.
 
     Raises:
         ExchangeError: another rank failed, the ranks' vector sizes differ, or a collective
@@ -121,21 +122,9 @@ def exchange_messages(
     return [m[: h[1]] if h[1] else None for h, m in zip(table, gathered, strict=True)]
 
 
-def decode_all_(messages: list[torch.Tensor | None], buffer: torch.Tensor) -> torch.Tensor:
-    """Add every rank's message into ``buffer`` in rank order, naming the rank of a bad one.
-
-    Each message is validated whole by :func:`gradshare.codec.decode_` before it writes; a
-    fault raises the same :class:`MessageError` on every rank, since every rank decodes the
-    same messages. Decode into a scratch buffer: on a fault it holds a partial sum.
-    """
-    for r, m in enumerate(messages):
-        if m is None:
-            continue
-        try:
-            codec.decode_(m, buffer)
-        except codec.MessageError as e:
-            raise codec.MessageError(f"Message from rank {r} is invalid: {e}") from None
-    return buffer
+def _rank_names(world: int) -> list[str]:
+    """How errors name the messages of an exchange, by position."""
+    return [f"rank {r}" for r in range(world)]
 
 
 def _flat_params(params: list[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
@@ -225,7 +214,9 @@ class SharedOptimizer(torch.optim.Optimizer):
         self.numel = sum(p.numel() for p in params)
         self.device = params[0].device
         self._before = torch.empty(self.numel, dtype=params[0].dtype, device=self.device)
-        self._buffer = torch.zeros(self.numel, dtype=torch.float32, device=self.device)
+        self._update = torch.empty_like(self._before)
+        self._scratch = torch.zeros_like(self._before)
+        """Zeros, for :func:`gradshare.codec.subtract_sum_`."""
         self._broadcast_from_rank0(params)
 
     # ------------------------------------------------------------------ set-up
@@ -279,53 +270,49 @@ class SharedOptimizer(torch.optim.Optimizer):
         try:
             with torch.enable_grad():
                 loss = self.optim.step(closure)
-            update = torch.sub(before, _flat_params(params, self._buffer), out=self._buffer)
-            self._unflatten(before, params)  # exactly the parameters before the local step
+            update = torch.sub(before, _flat_params(params, self._update), out=self._update)
             if self.encoder is not None:
                 message = self.encoder.encode(update, self.iteration)
                 self.last_stats = self.encoder.last_stats
             else:
                 codec.check_vector(update, "update")
         except Exception as e:  # tell the other ranks before raising here
-            self._unflatten(before, params)
             failure = e
-        if self.encoder is None:
-            self._dense_step(params, failure)
-            return loss
-        messages = exchange_messages(
-            message,
-            self.numel,
-            group=self.group,
-            timeout=self.timeout,
-            device=self.device,
-            failure=failure,
-        )
-        buffer = decode_all_(messages, self._buffer.zero_())
-        self._apply(params, buffer)
-        if message is not None:
-            self.bytes_sent += message.numel() * 4
+        try:
+            if self.encoder is None:
+                self._dense_step(before, failure)
+            else:
+                messages = exchange_messages(
+                    message,
+                    self.numel,
+                    group=self.group,
+                    timeout=self.timeout,
+                    device=self.device,
+                    failure=failure,
+                )
+                codec.subtract_sum_(
+                    messages, before, self._scratch, divisor=self._divisor(),
+                    names=_rank_names(len(messages)),
+                )  # fmt: skip
+                self.bytes_sent += 0 if message is None else message.numel() * 4
+        finally:  # the parameters before the local step, minus the shared sum if it applied
+            self._unflatten(before, params)
+        self.iteration += 1
         return loss
 
-    def _dense_step(self, params: list[torch.Tensor], failure: BaseException | None) -> None:
+    def _divisor(self) -> int:
+        return dist.get_world_size(self.group) if self.reduction == "mean" else 1
+
+    def _dense_step(self, before: torch.Tensor, failure: BaseException | None) -> None:
         """The oracle: all-reduce the exact update (after the same status and size check)."""
         exchange_messages(
             None, self.numel, group=self.group, timeout=self.timeout, device=self.device,
             failure=failure,
         )  # fmt: skip
-        work = dist.all_reduce(self._buffer, group=self.group, async_op=True)
+        work = dist.all_reduce(self._update, group=self.group, async_op=True)
         _wait(work, self.timeout, "dense all-reduce", dist.get_rank(self.group))
-        self._apply(params, self._buffer)
+        before.sub_(self._update.div_(self._divisor()))
         self.bytes_sent += 4 * self.numel
-
-    def _apply(self, params: list[torch.Tensor], buffer: torch.Tensor) -> None:
-        if self.reduction == "mean":
-            buffer.div_(dist.get_world_size(self.group))
-        offset = 0
-        for p in params:
-            n = p.numel()
-            p.sub_(buffer[offset : offset + n].view_as(p))
-            offset += n
-        self.iteration += 1
 
     # ------------------------------------------------------------------ checkpointing
 
