@@ -639,24 +639,9 @@ def decode_sparse(entries, t, target):  # pragma: no cover - compiled
 def decode_bitmap(words, t, target):  # pragma: no cover - compiled
     """Add the decoded bitmap into ``target`` (``words`` validated, uint32)."""
     n = target.size
-    half = t / 2
-    zero = t - t
     for c in prange((n + CHUNK - 1) // CHUNK):
         lo = c * CHUNK
-        hi = min(lo + CHUNK, n)
-        ts = target[lo:hi]
-        ws = words[lo // 16 : (hi + 15) // 16]
-        m = hi - lo
-        for w in range((m + 15) // 16):
-            width = min(16, m - w * 16)
-            tb = ts[w * 16 : w * 16 + width]
-            word = ws[w]
-            for j in range(width):
-                mag = (word >> np.uint32(j)) & np.uint32(1)
-                sgn = (word >> np.uint32(j + 16)) & np.uint32(1)
-                step = -t if sgn else t
-                hstep = -half if sgn else zero
-                tb[j] += step if mag else hstep
+        _bitmap_into(words[lo // 16 :], t, target[lo : min(lo + CHUNK, n)])
 
 
 SMALL = 1 << 14
