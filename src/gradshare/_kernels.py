@@ -649,21 +649,35 @@ SMALL = 1 << 14
 
 
 @njit(nogil=True, cache=True)
-def decode_sparse_small(entries, n, t, target):  # pragma: no cover - compiled
-    """Validate every entry, then (only if all are valid) add them; return the first bad or -1."""
+def decode_small(words, target):  # pragma: no cover - compiled
+    """Validate a whole small sparse message for ``target`` and only then add it, in one call.
+
+    Returns 0 when decoded, 1 when the message is invalid (nothing written; the caller's full
+    checks name the fault), 2 when it is not a sparse message of fewer than ``SMALL`` entries.
+    t is widened to float64 and the sum rounded back: with 53 >= 2 * 24 + 2 bits that double
+    rounding gives the float32 sum exactly.
+    """
+    n = target.size
+    if words.size < 4 or words[3] != 0 or words.size - 4 >= SMALL:
+        return 2
+    if words[1] != n or words[0] != words.size - 4:
+        return 1
+    t = np.float64(words.view(np.float32)[2])
+    if not (t > 0 and t < np.inf):
+        return 1
     prev = np.int64(0)
-    for k in range(entries.size):
-        a = abs(np.int64(entries[k]))
+    for k in range(4, words.size):
+        a = abs(np.int64(words[k]))
         if a == 0 or a > n or a <= prev:
-            return k
+            return 1
         prev = a
-    for k in range(entries.size):
-        e = entries[k]
+    for k in range(4, words.size):
+        e = words[k]
         if e > 0:
             target[e - 1] += t
         else:
             target[-e - 1] -= t
-    return -1
+    return 0
 
 
 @njit(nogil=True, cache=True)

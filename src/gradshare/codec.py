@@ -150,10 +150,6 @@ _F32 = struct.Struct("<f")
 _I32 = struct.Struct("<i")
 
 
-_SMALL = 1 << 14
-"""Sparse messages with fewer entries decode in one serial kernel call (``_kernels.SMALL``)."""
-
-
 def _use_kernels(x: torch.Tensor) -> bool:
     return x.is_cpu and x.dtype in _KERNEL_DTYPES
 
@@ -518,11 +514,7 @@ def encode_bitmap_(residual: torch.Tensor, threshold: float) -> torch.Tensor:
 
 
 def _check_message(message: Any) -> list[int]:
-    return _read_message(message)[0]
-
-
-def _read_message(message: Any) -> tuple[list[int], np.ndarray | None]:
-    """(header words, the numpy view of a CPU message or None) after the basic checks."""
+    """The header words of ``message`` after the basic checks of its type and shape."""
     if not isinstance(message, torch.Tensor):
         raise MessageError(f"Expect a message tensor, got {type(message).__name__}.")
     if message.dtype != torch.int32 or message.dim() != 1 or not message.is_contiguous():
@@ -535,9 +527,8 @@ def _read_message(message: Any) -> tuple[list[int], np.ndarray | None]:
             f"Expect a message of at least {HEADER_WORDS} header words, got {message.numel()}."
         )
     if message.is_cpu:
-        words = message.numpy()
-        return words[:HEADER_WORDS].tolist(), words
-    return [int(v) for v in message[:HEADER_WORDS].tolist()], None
+        return message.numpy()[:HEADER_WORDS].tolist()
+    return [int(v) for v in message[:HEADER_WORDS].tolist()]
 
 
 def _parse_header(header: list[int], length: int) -> tuple[int, int, float]:
@@ -664,12 +655,22 @@ def decode_(message: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     Decoding never zeroes ``target``: decoding a message twice adds it twice.
     """
     check_vector(target, "target")
+    if (
+        type(message) is torch.Tensor
+        and message.dtype == torch.int32
+        and message.is_cpu
+        and message.dim() == 1
+        and message.is_contiguous()
+        and _use_kernels(target)
+        and _k().decode_small(message.numpy(), _array(target)) == 0
+    ):  # a small sparse message, checked and added in one call
+        return target
     if isinstance(message, torch.Tensor) and message.device != target.device:
         raise ValueError(
             f"Expect the message and `target` on one device, got {message.device} and "
             f"{target.device}: move the message with `.to(target.device)`."
         )
-    header, words = _read_message(message)
+    header = _check_message(message)
     fmt, _, t = _parse_header(header, message.numel())
     numel = target.numel()
     if header[1] != numel:
@@ -677,17 +678,6 @@ def decode_(message: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
             f"Message encodes N = {header[1]} elements, but `target` has {numel}: "
             "it was made for another vector."
         )
-    if (
-        fmt == FLEXIBLE_ENCODING
-        and words is not None
-        and words.size - HEADER_WORDS < _SMALL
-        and _use_kernels(target)
-    ):
-        entries = words[HEADER_WORDS:]
-        k = _k().decode_sparse_small(entries, numel, _scalar(t, target), _array(target))
-        if k >= 0:
-            raise MessageError("Invalid sparse message: " + _fault_text(entries, k, numel) + ".")
-        return target
     payload = message[HEADER_WORDS:]
     if fmt == FLEXIBLE_ENCODING:
         k = _first_bad_sparse(payload, numel)
