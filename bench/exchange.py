@@ -12,7 +12,7 @@ exchanged by:
 * ``powersgd-1``, ``powersgd-4``: PyTorch's PowerSGD hook at rank 1 and 4 (error feedback,
   warm start);
 * ``gradshare``: :func:`gradshare.threshold_hook` (adaptive threshold starting from the 99.9th
-  percentile of the first gradient, and 25 warm-up steps so that it settles: with error
+  percentile of the first gradient, and 40 warm-up steps so that it settles: with error
   feedback the residual grows, and the threshold follows it);
 
 and ``compute``: the same forward and backward with no exchange at all. ``ms/step`` is the
@@ -21,7 +21,10 @@ so gradients change from step to step and the residual sums them); ``bytes/step`
 one rank contributes per step (its message, or its share of the payload). DDP runs with one
 bucket for every method
 (``bucket_cap_mb=4096``): PowerSGD's chained collectives can otherwise be issued in different
-orders on different ranks over gloo, which aborts the run.
+orders on different ranks over gloo, which aborts the run; and with
+``gradient_as_bucket_view=True`` for every method (gradients live in the bucket, which saves
+DDP two copies of every gradient per step, as PyTorch recommends for communication hooks).
+``exchange ms`` is ``ms/step`` minus ``compute``: what the method adds to a step.
 
 Link rates: ``none`` is plain loopback. ``1gbit``, ``100mbit`` run the whole world inside a
 network namespace that this script creates, whose loopback is shaped with ``tc ... tbf``; all
@@ -72,6 +75,8 @@ METHODS = [
     ).split()
 ]
 LAYERS = 5
+WARMUP = 40
+"""Steps gradshare runs before timing, so that its adaptive threshold has settled."""
 RATES = ["none", "1gbit", "100mbit"]
 
 
@@ -85,6 +90,11 @@ class Row:
     bytes_per_step: float
     density: float | None
     speedup_vs_dense: float | None = None
+    """Dense ms/step over this method's."""
+    exchange_ms: float | None = None
+    """ms/step minus compute's: what the exchange adds to a step."""
+    exchange_speedup_vs_dense: float | None = None
+    """Dense exchange ms over this method's."""
 
 
 def model(numel: int) -> nn.Module:
@@ -124,9 +134,13 @@ def _rank(rank: int, world: int, port: int, numel: int, steps: int, out: str) ->
             g = torch.cat([p.grad.reshape(-1) for p in net.parameters()]).abs()
             t = float(torch.quantile(g[:: max(1, g.numel() // 1_000_000)], 0.999))
             net.zero_grad()
-        run: nn.Module = net if method == "compute" else DDP(net, bucket_cap_mb=4096)
+        run: nn.Module = (
+            net
+            if method == "compute"
+            else DDP(net, bucket_cap_mb=4096, gradient_as_bucket_view=True)
+        )
         state = None
-        warmup = {"gradshare": 25, "powersgd-1": 3, "powersgd-4": 3}.get(method, 2)
+        warmup = {"gradshare": WARMUP, "powersgd-1": 3, "powersgd-4": 3}.get(method, 2)
         if method == "fp16":
             run.register_comm_hook(None, default_hooks.fp16_compress_hook)
         elif method.startswith("powersgd"):
@@ -163,8 +177,8 @@ def _rank(rank: int, world: int, port: int, numel: int, steps: int, out: str) ->
         else:
             assert state is not None
             sent = (state.bytes_sent - sent0) / steps
-            stats = list(state.last_stats.values())
-            density = sum(s.entries for s in stats) / sum(s.entries / s.density for s in stats)
+            words = sent / 4 - 4 * len(state.encoders)  # sparse: entries plus a header each
+            density = words / n  # mean over the timed steps
         rows.append({"method": method, "numel": n, "ms": statistics.median(times) * 1e3,
                      "bytes": sent, "density": density})  # fmt: skip
         del run, net
@@ -216,19 +230,17 @@ def measure(rate: str, world: int, numel: int, steps: int) -> list[Row]:
             subprocess.run(cmd, check=True, timeout=1800)
             raw = json.loads(out.read_text())
     dense_ms = next(r["ms"] for r in raw if r["method"] == "dense")
-    return [
-        Row(
-            rate,
-            world,
-            r["method"],
-            r["numel"],
-            r["ms"],
-            r["bytes"],
-            r["density"],
-            None if r["method"] == "compute" else dense_ms / r["ms"],
-        )
-        for r in raw
-    ]
+    compute_ms = next((r["ms"] for r in raw if r["method"] == "compute"), None)
+    rows = []
+    for r in raw:
+        row = Row(rate, world, r["method"], r["numel"], r["ms"], r["bytes"], r["density"])
+        if r["method"] != "compute":
+            row.speedup_vs_dense = dense_ms / r["ms"]
+            if compute_ms is not None:
+                row.exchange_ms = max(r["ms"] - compute_ms, 1e-3)
+                row.exchange_speedup_vs_dense = (dense_ms - compute_ms) / row.exchange_ms
+        rows.append(row)
+    return rows
 
 
 def can_shape() -> str | None:
@@ -243,15 +255,21 @@ def can_shape() -> str | None:
 def table(rows: list[Row]) -> str:
     head = (
         f"{'rate':<8} {'world':>5} {'method':<11} {'ms/step':>9} {'bytes/step':>14} "
-        f"{'density':>8} {'vs dense':>9}"
+        f"{'density':>8} {'vs dense':>9} {'exchange ms':>12} {'vs dense':>9}"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
         density = f"{r.density:.1e}" if r.density is not None else "-"
         speed = f"{r.speedup_vs_dense:.1f}x" if r.speedup_vs_dense is not None else "-"
+        exchange = f"{r.exchange_ms:.1f}" if r.exchange_ms is not None else "-"
+        ex_speed = (
+            f"{r.exchange_speedup_vs_dense:.1f}x"
+            if r.exchange_speedup_vs_dense is not None
+            else "-"
+        )
         lines.append(
             f"{r.rate:<8} {r.world:>5} {r.method:<11} {r.ms_per_step:>9.1f} "
-            f"{r.bytes_per_step:>14,.0f} {density:>8} {speed:>9}"
+            f"{r.bytes_per_step:>14,.0f} {density:>8} {speed:>9} {exchange:>12} {ex_speed:>9}"
         )
     return "\n".join(lines)
 

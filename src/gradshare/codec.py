@@ -761,6 +761,10 @@ def _sum_(
         np.cumsum(lengths[:-1], out=starts[1:])
         flat = torch.cat([m for m, _, _ in present]).numpy() if present else np.zeros(0, np.int32)
         dtype = _array(target).dtype
+        ts = np.array([t for _, _, t in present], dtype)
+        exact = math.frexp(divisor)[0] == 0.5  # a power of two: 1/divisor is exact
+        if exact and (ts.size == 0 or ts.min() / divisor >= np.finfo(dtype).tiny):
+            ts, divisor = ts / dtype.type(divisor), 1  # the same rounding, and no divide pass
         _launch(
             "decode_sum",
             _array(target),
@@ -768,9 +772,9 @@ def _sum_(
             starts,
             lengths,
             np.array([f for _, f, _ in present], np.int64),
-            np.array([t for _, _, t in present], dtype),
+            ts,
             dtype.type(divisor),
-            math.frexp(divisor)[0] == 0.5,  # a power of two: 1/divisor is exact
+            exact,
             scratch is not None,
             _array(target if scratch is None else scratch),
         )
