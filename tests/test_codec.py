@@ -452,6 +452,7 @@ class TestSpeculativeScan:
     def test_constants_match_kernels(self) -> None:
         k = codec._k()
         assert (k.CHUNK, k.CAP, k.SUPER) == (CHUNK, CAP, SUPER)
+        assert codec._SMALL == k.SMALL
         assert k.STRIDE >= k.CAP + k.SUPER + k.W
 
     @pytest.mark.parametrize("pattern", PATTERNS)

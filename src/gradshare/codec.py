@@ -150,6 +150,10 @@ _F32 = struct.Struct("<f")
 _I32 = struct.Struct("<i")
 
 
+_SMALL = 1 << 14
+"""Entries below which a kernel runs in the calling thread (``_kernels.SMALL``)."""
+
+
 def _use_kernels(x: torch.Tensor) -> bool:
     return x.is_cpu and x.dtype in _KERNEL_DTYPES
 
@@ -186,10 +190,11 @@ def serial_kernels() -> Iterator[None]:
         _local.serial = saved
 
 
-def _launch(name: str, *args: Any) -> Any:
-    """Call kernel ``name``: its serial twin when asked or ``small``, else the parallel one."""
+def _launch(name: str, *args: Any, small: bool = False) -> Any:
+    """Call kernel ``name``: its serial twin for ``small`` work or in a :func:`serial_kernels`
+    block (waking the thread pool would cost more), else the parallel one."""
     k = _k()
-    if getattr(_local, "serial", False):
+    if small or getattr(_local, "serial", False):
         return k.SERIAL[name](*args)
     with _kernel_lock:
         return k.PARALLEL[name](*args)
@@ -593,7 +598,7 @@ def _first_bad_sparse(entries: torch.Tensor, numel: int) -> int:
         return -1
     if entries.device.type == "cpu":
         bad = np.empty(_k().num_chunks(entries.numel()), np.int64)
-        _launch("first_bad_entry", entries.numpy(), numel, bad)
+        _launch("first_bad_entry", entries.numpy(), numel, bad, small=entries.numel() < _SMALL)
         hits = bad[bad >= 0]
         return int(hits[0]) if hits.size else -1
     a = entries.long().abs()
@@ -765,6 +770,7 @@ def _sum_(
         exact = math.frexp(divisor)[0] == 0.5  # a power of two: 1/divisor is exact
         if exact and (ts.size == 0 or ts.min() / divisor >= np.finfo(dtype).tiny):
             ts, divisor = ts / dtype.type(divisor), 1  # the same rounding, and no divide pass
+        sparse = all(f == FLEXIBLE_ENCODING for _, f, _ in present)
         _launch(
             "decode_sum",
             _array(target),
@@ -777,6 +783,7 @@ def _sum_(
             exact,
             scratch is not None,
             _array(target if scratch is None else scratch),
+            small=scratch is not None and sparse and flat.size < _SMALL,  # O(entries) work
         )
         return target
     buf = target if scratch is None else scratch
