@@ -18,12 +18,11 @@ exchanged by:
 and ``compute``: the same forward and backward with no exchange at all (measured first and
 last; the faster is kept, so that a slow moment of the machine cannot shrink ``exchange ms``).
 ``ms/step`` is the median over the timed steps of the slowest rank (the inputs cycle through
-4 random batches,
-so gradients change from step to step and the residual sums them); ``bytes/step`` is what
-one rank contributes per step (its message, or its share of the payload). DDP runs with one
-bucket for every method
-(``bucket_cap_mb=4096``): PowerSGD's chained collectives can otherwise be issued in different
-orders on different ranks over gloo, which aborts the run; and with
+4 random batches, so gradients change from step to step and the residual sums them);
+``bytes/step`` is what one rank contributes per step (its message, or its share of the
+payload). DDP runs with one bucket for every method (``bucket_cap_mb=4096``): PowerSGD's
+chained collectives can otherwise be issued in different orders on different ranks over
+gloo, which aborts the run; and with
 ``gradient_as_bucket_view=True`` for every method (gradients live in the bucket, which saves
 DDP two copies of every gradient per step, as PyTorch recommends for communication hooks).
 ``exchange ms`` is ``ms/step`` minus ``compute``: what the method adds to a step.
