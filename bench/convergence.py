@@ -8,8 +8,9 @@ scikit-learn's digits with DDP and plain SGD, each rank on its share of every ep
 minibatches, once per gradient exchange:
 
 * ``dense``: DDP's all-reduce;
-* ``gradshare adaptive`` / ``fixed``, each with and without residual clipping (5x t, every 5
-  steps): :func:`gradshare.threshold_hook`;
+* ``gradshare adaptive`` / ``fixed`` (from 1e-3 / at 2e-3), each with and without residual
+  clipping (5x t, every 5 steps): :func:`gradshare.threshold_hook`; ``--gradshare SPEC``
+  adds more settings (``adaptive:T``, ``fixed:T``, ``target:DENSITY``, ``+clip``);
 * ``fp16``: PyTorch's ``fp16_compress_hook``; ``powersgd-1``, ``powersgd-4``: PowerSGD at rank 1
   and 4 (error feedback, warm start, compression from the second iteration).
 
@@ -44,6 +45,8 @@ from _env import environment
 from exchange import free_port, powersgd_bytes
 
 RESULTS = Path(__file__).resolve().parent / "results"
+GRADSHARE = {"gradshare adaptive": "adaptive:1e-3", "gradshare fixed": "fixed:2e-3"}
+"""The threshold of each built-in gradshare method (``gradshare train --threshold`` syntax)."""
 METHODS = [
     "dense", "gradshare adaptive", "gradshare adaptive+clip", "gradshare fixed",
     "gradshare fixed+clip", "fp16", "powersgd-1", "powersgd-4",
@@ -63,23 +66,25 @@ class Row:
 
 
 def _rank(
-    rank: int, world: int, port: int, epochs: int, lr: float, seeds: list[int], out: str
+    rank: int,
+    world: int,
+    port: int,
+    epochs: int,
+    lr: float,
+    seeds: list[int],
+    methods: list[str],
+    out: str,
 ) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    from gradshare import (
-        AdaptiveThreshold,
-        FixedThreshold,
-        ResidualClipping,
-        ThresholdHookState,
-        threshold_hook,
-    )
+    from gradshare import ResidualClipping, ThresholdHookState, threshold_hook
     from gradshare.datasets import digits, minibatches, mlp
+    from gradshare.train import parse_threshold
 
     split = digits(seed=0)
     rows = []
-    for method, seed in [(m, s) for m in METHODS for s in seeds]:
+    for method, seed in [(m, s) for m in methods for s in seeds]:
         net = mlp(64, 10, hidden=256, seed=seed)
         model = DDP(net, bucket_cap_mb=4096)  # one bucket (see bench/exchange.py)
         state = None
@@ -92,8 +97,9 @@ def _rank(
             )
             model.register_comm_hook(ps, powerSGD_hook.powerSGD_hook)
         elif method.startswith("gradshare"):
-            threshold = AdaptiveThreshold(1e-3) if "adaptive" in method else FixedThreshold(2e-3)
-            clip = ResidualClipping(5.0, 5) if "clip" in method else None
+            name = method.removesuffix("+clip")
+            threshold = parse_threshold(GRADSHARE.get(name, name.removeprefix("gradshare ")))
+            clip = ResidualClipping(5.0, 5) if method.endswith("+clip") else None
             state = ThresholdHookState(threshold=threshold, post_processor=clip)
             model.register_comm_hook(state, threshold_hook)
         opt = torch.optim.SGD(model.parameters(), lr=lr)
@@ -149,18 +155,23 @@ def main(argv: list[str] | None = None) -> list[Row]:
     parser.add_argument("--epochs", type=int, default=12)
     parser.add_argument("--lr", type=float, default=0.2)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS, metavar="M",
+                        help="a subset of: " + ", ".join(METHODS))  # fmt: skip
+    parser.add_argument("--gradshare", nargs="+", default=[], metavar="SPEC",
+                        help="more hook settings, e.g. adaptive:1e-2 target:2e-2")  # fmt: skip
     parser.add_argument("--out", type=Path, default=RESULTS / "convergence.json")
     args = parser.parse_args(argv)
+    methods = [*args.methods, *(f"gradshare {spec}" for spec in args.gradshare)]
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "rows.json")
         mp.spawn(
             _rank,
-            args=(args.world, free_port(), args.epochs, args.lr, args.seeds, out),
+            args=(args.world, free_port(), args.epochs, args.lr, args.seeds, methods, out),
             nprocs=args.world,
         )
         runs = json.loads(Path(out).read_text())
     rows = []
-    for method in METHODS:
+    for method in methods:
         mine = [r for r in runs if r["method"] == method]
         accuracies = [r["accuracy"] for r in mine]
         sent = round(statistics.mean(r["sent"] for r in mine))
@@ -173,7 +184,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
               f"{r.compression_ratio:>8.1f}x")  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     settings = {"world": args.world, "epochs": args.epochs, "lr": args.lr, "batch_per_rank": 32,
-                "seeds": args.seeds}  # fmt: skip
+                "seeds": args.seeds, "methods": methods}  # fmt: skip
     args.out.write_text(json.dumps({"environment": environment(), "settings": settings,
                                     "rows": [asdict(r) for r in rows]}, indent=1))  # fmt: skip
     plot(rows, args.out.with_suffix(".png"))
