@@ -453,6 +453,12 @@ class TestSpeculativeScan:
         k = codec._k()
         assert (k.CHUNK, k.CAP, k.SUPER) == (CHUNK, CAP, SUPER)
         assert codec._SMALL == k.SMALL
+
+    def test_every_kernel_is_cached_on_disk(self) -> None:
+        """Guards the serial twins being recompiled in every process (seconds per kernel)."""
+        k = codec._k()
+        for name, kernel in [*k.PARALLEL.items(), *k.SERIAL.items()]:
+            assert type(kernel._cache).__name__ == "FunctionCache", name
         assert k.STRIDE >= k.CAP + k.SUPER + k.W
 
     @pytest.mark.parametrize("pattern", PATTERNS)

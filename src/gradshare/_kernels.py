@@ -806,7 +806,7 @@ def _serial_twin(kernel):  # pragma: no cover - runs at import of this module
     twin.__qualname__ = fn.__qualname__ + "_serial"  # its own numba cache files
     twin.__doc__ = fn.__doc__
     options = {k: v for k, v in kernel.targetoptions.items() if k not in ("parallel", "nopython")}
-    return njit(**options)(twin)
+    return njit(cache=True, **options)(twin)
 
 
 PARALLEL = {
