@@ -346,11 +346,11 @@ class Workspace:
             r = self._take_pending(residual)
             _, counts, offsets, old = self._reserve(n, r.dtype)
             ts = self._scalar(t, r.dtype)
-            args = (r, ts, counts, offsets, self._ent, old, take, message.numpy(), self._bits)
-            if count < _k().SMALL:  # too few entries to be worth waking the thread pool
-                dsumsq = _k().SERIAL["emit_sparse"](*args)
-            else:
-                dsumsq = _launch("emit_sparse", *args)
+            dsumsq = _launch(
+                "emit_sparse",
+                *(r, ts, counts, offsets, self._ent, old, take, message.numpy(), self._bits),
+                small=count < _SMALL,
+            )
             self.sumsq += dsumsq
             return message
         message = torch.empty(take + HEADER_WORDS, dtype=torch.int32, device=residual.device)
@@ -675,23 +675,11 @@ def decode_(message: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
             f"Expect the message and `target` on one device, got {message.device} and "
             f"{target.device}: move the message with `.to(target.device)`."
         )
-    header = _check_message(message)
-    fmt, _, t = _parse_header(header, message.numel())
-    numel = target.numel()
-    if header[1] != numel:
-        raise MessageError(
-            f"Message encodes N = {header[1]} elements, but `target` has {numel}: "
-            "it was made for another vector."
-        )
-    payload = message[HEADER_WORDS:]
+    fmt, t = _validate(message, target.numel())
     if fmt == FLEXIBLE_ENCODING:
-        k = _first_bad_sparse(payload, numel)
-        if k >= 0:
-            raise MessageError("Invalid sparse message: " + _fault_text(payload, k, numel) + ".")
-        _apply_sparse(payload, t, target)
+        _apply_sparse(message[HEADER_WORDS:], t, target)
     else:
-        _check_bitmap_tail(payload, numel)
-        _apply_bitmap(payload, t, target)
+        _apply_bitmap(message[HEADER_WORDS:], t, target)
     return target
 
 
