@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import time
 
 import torch
 import torch.distributed as dist
@@ -11,7 +12,12 @@ from torch import nn
 from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from gradshare import AdaptiveThreshold, ThresholdHookState, threshold_hook
+from gradshare import (
+    AdaptiveThreshold,
+    ThresholdHookState,
+    register_threshold_hook,
+    threshold_hook,
+)
 from gradshare.datasets import digits, minibatches, mlp
 
 from toys import toy_batches
@@ -130,3 +136,66 @@ class TestThresholdHook:
 
     def test_per_rank_checkpoint_resumes_bit_for_bit(self) -> None:
         assert all(r.get() for r in spawn(_rank_checkpoint, 2))
+
+
+def _several_buckets() -> DDP:
+    """A model of 2.1 MB in buckets of 0.5 MB: several buckets in every pass."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 256), nn.ReLU(),
+                        nn.Linear(256, 10))  # fmt: skip
+    return DDP(net, bucket_cap_mb=0.5)
+
+
+def _rank_overlap(rank: int, world: int) -> dict:
+    model = _several_buckets()
+    state = ThresholdHookState(timeout=30)
+    done_at_return: list[bool] = []
+    indices: set[int] = set()
+
+    def hook(hook_state, bucket):  # type: ignore[no-untyped-def]  # DDP checks names
+        future = threshold_hook(hook_state, bucket)
+        done_at_return.append(future.done())
+        indices.add(bucket.index())
+        return future
+
+    model.register_comm_hook(state, hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(3):
+        opt.zero_grad()
+        loss = model(torch.randn(16, 256, generator=g)).square().mean()
+        if rank == 1:
+            time.sleep(1.0)  # rank 0's backward runs while rank 1 has not started its own
+        loss.backward()
+        opt.step()
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return {"done": done_at_return, "buckets": len(indices), "params": flat}
+
+
+def _rank_hook_fault(rank: int, world: int) -> str:
+    model = _several_buckets()
+    register_threshold_hook(model, start_iter=0, timeout=30)
+    loss = model(torch.randn(16, 256)).square().mean()
+    if rank == 1:
+        loss = loss * float("nan")
+    try:
+        loss.backward()
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+class TestOverlap:
+    def test_hook_returns_before_the_exchange_completes(self) -> None:
+        """Bucket k is exchanged in the background while backward goes on: with its peer
+        still asleep, none of rank 0's futures is complete when the hook returns, and the
+        replicas still end bit-identical."""
+        zero, one = (r.get() for r in spawn(_rank_overlap, 2))
+        assert zero["buckets"] > 1
+        assert zero["done"] and not any(zero["done"]), zero["done"]
+        assert torch.equal(zero["params"], one["params"])
+
+    def test_failed_encode_fails_backward_on_every_rank_naming_the_rank(self) -> None:
+        zero, one = (r.get() for r in spawn(_rank_hook_fault, 2))
+        assert "non-finite" in one, one
+        assert "Rank 0" in zero and "rank(s) [1] failed" in zero, zero

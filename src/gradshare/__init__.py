@@ -24,8 +24,9 @@ from gradshare.codec import (
     message_info,
 )
 from gradshare.ddp_hook import ThresholdHookState, register_threshold_hook, threshold_hook
-from gradshare.distributed import ExchangeError, SharedOptimizer, exchange_messages
+from gradshare.distributed import SharedOptimizer
 from gradshare.encoder import Encoder, EncodeStats
+from gradshare.exchange import ExchangeError, exchange_messages
 from gradshare.parallel import ParallelWrapper, StepStats
 from gradshare.residual import NoResidualProcessing, ResidualClipping, ResidualPostProcessor
 from gradshare.tail import IndexedTail

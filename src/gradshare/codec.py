@@ -39,6 +39,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from gradshare import threads
+
 __all__ = [
     "BITMAP_ENCODING",
     "FLEXIBLE_ENCODING",
@@ -191,11 +193,13 @@ def serial_kernels() -> Iterator[None]:
 
 
 def _launch(name: str, *args: Any, small: bool = False) -> Any:
-    """Call kernel ``name``: its serial twin for ``small`` work or in a :func:`serial_kernels`
-    block (waking the thread pool would cost more), else the parallel one."""
+    """Call kernel ``name``: its serial twin for ``small`` work, in a :func:`serial_kernels`
+    block (waking the thread pool would cost more) or when this process's share of the machine
+    is one thread (:func:`gradshare.threads.kernel_threads`), else the parallel one."""
     k = _k()
-    if small or getattr(_local, "serial", False):
+    if small or getattr(_local, "serial", False) or threads.kernel_threads() == 1:
         return k.SERIAL[name](*args)
+    threads.parallel_threads()
     with _kernel_lock:
         return k.PARALLEL[name](*args)
 

@@ -4,9 +4,17 @@ For users who already train with ``DistributedDataParallel``: register the hook 
 all-reduce of each gradient bucket becomes an exchange of threshold-encoded messages (Strom,
 2015). Unlike :class:`~gradshare.SharedOptimizer`, what is encoded is the gradient, not the
 optimizer's update, and the hook returns the mean of the decoded gradients, as DDP expects.
+
+The exchange overlaps with backward, as DDP's own all-reduce does: the hook hands each bucket
+to a background :class:`~gradshare.exchange.Pipeline` and returns at once; the pipeline
+encodes, exchanges and decodes the buckets one after the other, in the order they became
+ready, over a private twin of the process group (so that its collectives never interleave
+with the ones DDP itself issues from the backward thread).
 """
 
 import copy
+import functools
+import logging
 from datetime import timedelta
 from typing import Any
 
@@ -14,14 +22,16 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from gradshare import codec
+from gradshare import codec, threads
 from gradshare.accumulator import to_seconds
-from gradshare.distributed import _rank_names, _wait, exchange_messages
 from gradshare.encoder import Encoder
+from gradshare.exchange import Pipeline, exchange_messages, rank_names, wait
 from gradshare.residual import ResidualPostProcessor
 from gradshare.threshold import AdaptiveThreshold, ThresholdAlgorithm
 
 __all__ = ["ThresholdHookState", "register_threshold_hook", "threshold_hook"]
+
+logger = logging.getLogger(__name__)
 
 
 Slot = tuple[int, int, int]
@@ -71,6 +81,9 @@ class ThresholdHookState:
         "_keys",
         "_first_pass",
         "_buffers",
+        "_pipeline",
+        "_group",
+        "_counted",
         # stats
         "bytes_sent",
         "dense_bytes",
@@ -117,6 +130,23 @@ class ThresholdHookState:
         self._keys: dict[int, tuple[int, int]] = {}  # id(parameter) -> place, this process
         self._first_pass = True
         self._buffers: dict[int, torch.Tensor] = {}  # per bucket: float32 sums of fp16 grads
+        self._pipeline = Pipeline("gradshare-ddp-exchange")
+        self._counted = False  # the ranks on this host are counted (for the kernels' threads)
+        self._group: Any = None
+        """The private twin of ``process_group`` the pipeline's collectives use (made lazily)."""
+
+    def _exchange_group(self) -> Any:
+        """This state's private group over the ranks of ``process_group`` (made on first use).
+
+        Called from the hook, so every rank of the group makes it at the same point; only
+        those ranks take part (``use_local_synchronization``).
+        """
+        if self._group is None:
+            ranks = dist.get_process_group_ranks(self.process_group or dist.group.WORLD)
+            self._group = dist.new_group(
+                ranks, timeout=self.timeout, use_local_synchronization=True
+            )
+        return self._group
 
     def _buffer(self, index: int, like: torch.Tensor) -> torch.Tensor:
         """Bucket ``index``'s float32 buffer for sums of gradients of another dtype."""
@@ -138,15 +168,14 @@ class ThresholdHookState:
                 "one ThresholdHookState per DDP model, on a freshly built DDP."
             ) from None
 
-    def encoder(self, bucket: dist.GradBucket) -> Encoder:
-        """The encoder of ``bucket``, its residual laid out as the bucket is now."""
-        index, layout = bucket.index(), self._layout(bucket)
+    def _encoder(self, index: int, layout: list[Slot], device: torch.device) -> Encoder:
+        """The encoder of bucket ``index``, its residual laid out as ``layout``."""
         enc = self.encoders.get(index)
         if enc is None:
             enc = Encoder(self.threshold.clone(), _clone(self.post_processor), self.boundary)
             self.encoders[index] = enc
         if self.layouts.get(index) != layout:
-            self._relayout(index, layout, bucket.buffer().device)
+            self._relayout(index, layout, device)
         return enc
 
     def _relayout(self, index: int, layout: list[Slot], device: torch.device) -> None:
@@ -173,9 +202,10 @@ class ThresholdHookState:
         self.layouts[index] = layout
 
     def end_of_pass(self) -> None:
-        """Called after the last bucket of each iteration."""
+        """Called by the hook for the last bucket of each iteration."""
         self._first_pass = False
         self.iteration += 1
+        self._pipeline.clear_failure()
 
     # ------------------------------------------------------------------ checkpointing
 
@@ -216,6 +246,9 @@ class ThresholdHookState:
             "_keys",
             "_first_pass",
             "_buffers",
+            "_pipeline",
+            "_group",
+            "_counted",
         }  # not portable to another process
         return {k: getattr(self, k) for k in self.__slots__ if k not in skip}
 
@@ -235,15 +268,21 @@ def threshold_hook(
 ) -> torch.futures.Future[torch.Tensor]:
     """Encode this bucket's gradient with error feedback, exchange, return the decoded mean.
 
-    1. Add the local gradient into the bucket's residual and encode what crossed the
-       threshold (sparse indices or a 2-bit bitmap; the rest stays in the residual).
-    2. Exchange every rank's message (sizes, then the padded int32 payloads).
-    3. Decode them in rank order into the zeroed bucket and divide by the world size (one
-       fused pass: :func:`gradshare.codec.decode_sum_`).
+    The hook returns at once with a future; in the background, in the order the buckets
+    became ready (every rank the same):
 
-    Summed over steps, what the hook returns equals the true mean gradients minus the mean of
-    the ranks' current residuals. The exchange runs inside the hook, so the result future is
-    already complete; the messages are small enough that overlap with backward matters little.
+    1. add the local gradient into the bucket's residual and encode what crossed the
+       threshold (sparse indices or a 2-bit bitmap; the rest stays in the residual);
+    2. exchange every rank's message (sizes, then the padded int32 payloads), checking each
+       claimed size against the largest valid message;
+    3. validate every message whole, then decode them in rank order into the bucket and
+       divide by the world size (one fused pass: :func:`gradshare.codec.decode_sum_`), and
+       complete the future.
+
+    So bucket k is exchanged while backward computes bucket k+1. Summed over steps, what the
+    hook returns equals the true mean gradients minus the mean of the ranks' current
+    residuals. A rank whose encode fails, or a bad message, fails the future on every rank
+    with an error naming the rank; DDP raises it from ``backward()``.
 
     Example::
 
@@ -251,38 +290,71 @@ def threshold_hook(
         >>> ddp_model.register_comm_hook(state, threshold_hook)  # doctest: +SKIP
     """
     grad = bucket.buffer()
-    group = state.process_group
+    layout = state._layout(bucket)  # learns the canonical layout in the first pass
+    group = state._exchange_group()
+    job = functools.partial(
+        _exchange_bucket, state, group, grad, bucket.index(), layout, state.iteration,
+        _ready_event(grad),
+    )  # fmt: skip
+    future = state._pipeline.submit(job)
+    if bucket.is_last():
+        state.end_of_pass()
+    return future
+
+
+def _ready_event(grad: torch.Tensor) -> Any:
+    """On CUDA, an event on the stream that produced ``grad`` (the pipeline waits for it)."""
+    if not grad.is_cuda:
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event
+
+
+def _exchange_bucket(
+    state: ThresholdHookState,
+    group: Any,
+    grad: torch.Tensor,
+    index: int,
+    layout: list[Slot],
+    iteration: int,
+    ready: Any,
+) -> torch.Tensor:
+    """Steps 1-3 of :func:`threshold_hook` for one bucket (runs in the state's pipeline)."""
+    if ready is not None:
+        torch.cuda.set_device(grad.device)
+        torch.cuda.current_stream().wait_event(ready)
+    if not state._counted:
+        threads.count_ranks_on_host(group)  # once per process, before any kernel runs
+        state._counted = True
     world = dist.get_world_size(group)
-    index = bucket.index()
     numel = grad.numel()
-    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-    if state.iteration < state.start_iter:
-        state._layout(bucket)  # learn the canonical layout in the first pass
+    if iteration < state.start_iter:
         out = grad.div_(world)
         work = dist.all_reduce(out, group=group, async_op=True)
-        _wait(work, state.timeout, "gradient all-reduce", dist.get_rank(group))
+        wait(work, state.timeout, "gradient all-reduce", dist.get_rank(group))
         state.bytes_sent += 4 * numel
     else:
         message, failure = None, None
         try:
-            enc = state.encoder(bucket)
-            message = enc.encode(grad, state.iteration)
+            enc = state._encoder(index, layout, grad.device)
+            message = enc.encode(grad, iteration)
             state.last_stats[index] = enc.last_stats
         except Exception as e:
             failure = e
         messages = exchange_messages(
-            message, numel, group=group, timeout=state.timeout, device=grad.device, failure=failure
-        )
+            message, numel, group=group, timeout=state.timeout, device=grad.device,
+            failure=failure,
+        )  # fmt: skip
         # the gradient now lives in the residual: its buffer takes the mean (float32 sums)
         total = grad if grad.dtype == torch.float32 else state._buffer(index, grad)
-        codec.decode_sum_(messages, total, divisor=world, names=_rank_names(world))
+        codec.decode_sum_(messages, total, divisor=world, names=rank_names(world))
         out = total if total is grad else grad.copy_(total)
         state.bytes_sent += 0 if message is None else 4 * message.numel()
     state.dense_bytes += 4 * numel
-    if bucket.is_last():
-        state.end_of_pass()
-    fut.set_result(out)
-    return fut
+    if ready is not None:
+        torch.cuda.current_stream().synchronize()  # the bucket is final when DDP reads it
+    return out
 
 
 def register_threshold_hook(

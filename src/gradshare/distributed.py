@@ -1,20 +1,13 @@
-"""Update sharing over torch.distributed: the message exchange and SharedOptimizer (SPEC §6).
+"""Update sharing over torch.distributed: SharedOptimizer (SPEC §6).
 
-Where DL4J sends each message over its own UDP transport, gradshare exchanges them with the
-collectives PyTorch users already run (gloo on CPU, NCCL on CUDA), launched by ``torchrun``:
-
-1. every rank all-gathers a small header ``[status, words, numel]`` (fixed size);
-2. every rank checks that all ranks encode vectors of one size and that none failed locally;
-3. every rank all-gathers its int32 message padded to the longest, and trims each back.
-
-Nothing is pickled: only int64 headers and int32 messages travel. Each message is validated
-whole before any element is decoded, so a corrupted one raises the same :class:`MessageError`
-on every rank instead of a silent divergence.
+Each rank's own optimizer steps on its local gradient; the update it made is threshold-encoded
+with error feedback, the messages of all ranks are exchanged (:mod:`gradshare.exchange`: int32
+messages all-gathered, nothing pickled, each validated whole before any element is decoded),
+and every rank applies the same decoded sum, so the replicas stay bit-identical.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Literal
@@ -31,100 +24,14 @@ import torch.distributed as dist
 # any group exists, those defaults are None.
 import torch.distributed.nn.functional
 
-from gradshare import codec
+from gradshare import codec, threads
 from gradshare.accumulator import to_seconds
 from gradshare.encoder import Encoder, EncodeStats
+from gradshare.exchange import exchange_messages, rank_names, wait
 from gradshare.residual import ResidualPostProcessor
 from gradshare.threshold import AdaptiveThreshold, ThresholdAlgorithm
 
-__all__ = ["ExchangeError", "SharedOptimizer", "exchange_messages"]
-
-_OK, _FAILED = 0, 1
-
-
-class ExchangeError(RuntimeError):
-    """The exchange of messages failed on this rank because of another rank (or the network)."""
-
-
-def _wait(work: Any, timeout: timedelta, what: str, rank: int) -> None:
-    start = time.monotonic()
-    try:
-        work.wait(timeout)
-    except Exception as e:
-        waited = time.monotonic() - start
-        raise ExchangeError(
-            f"Rank {rank}: the {what} failed after {waited:.1f} s (timeout "
-            f"{timeout.total_seconds():g} s): a peer raised, was killed, or the network is down. "
-            f"Original error: {type(e).__name__}: {e}"
-        ) from e
-
-
-def exchange_messages(
-    message: torch.Tensor | None,
-    numel: int,
-    *,
-    group: Any = None,
-    timeout: timedelta = timedelta(seconds=300),
-    device: torch.device | None = None,
-    failure: BaseException | None = None,
-) -> list[torch.Tensor | None]:
-    """All-gather every rank's message for a vector of ``numel`` elements, in rank order.
-
-    ``message`` is this rank's int32 message or None (nothing to send). Pass ``failure`` when
-    this rank could not encode: the others then raise :class:`ExchangeError` naming it, and
-    this rank re-raises ``failure`` — so one rank's bad input stops every rank, promptly.
-    Decode them with :func:`gradshare.codec.decode_sum_` or :func:`~gradshare.codec.subtract_sum_`,
-    which validate each whole first and name a bad one's rank.
-
-    Raises:
-        ExchangeError: another rank failed, the ranks' vector sizes differ, or a collective
-            failed or timed out.
-    """
-    rank = dist.get_rank(group)
-    world = dist.get_world_size(group)
-    if device is None:
-        device = message.device if message is not None else torch.device("cpu")
-    words = 0 if message is None else message.numel()
-    status = _OK if failure is None else _FAILED
-    header = torch.tensor([status, words, numel], dtype=torch.int64, device=device)
-    headers = [torch.empty_like(header) for _ in range(world)]
-    _wait(
-        dist.all_gather(headers, header, group=group, async_op=True), timeout, "size exchange", rank
-    )
-    table = torch.stack(headers).cpu().tolist()
-    failed = [r for r, h in enumerate(table) if h[0] != _OK]
-    if failure is not None:
-        raise failure
-    if failed:
-        raise ExchangeError(
-            f"Rank {rank}: rank(s) {failed} failed to encode their update this step (see their "
-            "own error); every rank stops here."
-        )
-    sizes = {r: h[2] for r, h in enumerate(table)}
-    if len(set(sizes.values())) != 1:
-        raise ExchangeError(
-            f"Rank {rank}: the ranks share vectors of different sizes {sizes}: every rank must "
-            "hold the same model (same parameters, same order)."
-        )
-    longest = max(h[1] for h in table)
-    if longest == 0:
-        return [None] * world
-    padded = torch.zeros(longest, dtype=torch.int32, device=device)
-    if message is not None:
-        padded[:words].copy_(message)
-    gathered = [torch.empty_like(padded) for _ in range(world)]
-    _wait(
-        dist.all_gather(gathered, padded, group=group, async_op=True),
-        timeout,
-        "message exchange",
-        rank,
-    )
-    return [m[: h[1]] if h[1] else None for h, m in zip(table, gathered, strict=True)]
-
-
-def _rank_names(world: int) -> list[str]:
-    """How errors name the messages of an exchange, by position."""
-    return [f"rank {r}" for r in range(world)]
+__all__ = ["SharedOptimizer"]
 
 
 def _flat_params(params: list[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
@@ -217,6 +124,7 @@ class SharedOptimizer(torch.optim.Optimizer):
         self._update = torch.empty_like(self._before)
         self._scratch = torch.zeros_like(self._before)
         """Zeros, for :func:`gradshare.codec.subtract_sum_`."""
+        threads.count_ranks_on_host(self.group)  # the kernels' share of this host's cores
         self._broadcast_from_rank0(params)
 
     # ------------------------------------------------------------------ set-up
@@ -233,7 +141,7 @@ class SharedOptimizer(torch.optim.Optimizer):
         flat = _flat_params(params, self._before)
         src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
         work = dist.broadcast(flat, src=src, group=self.group, async_op=True)
-        _wait(work, self.timeout, "parameter broadcast", rank)
+        wait(work, self.timeout, "parameter broadcast", rank)
         self._unflatten(flat, params)
 
     @staticmethod
@@ -292,7 +200,7 @@ class SharedOptimizer(torch.optim.Optimizer):
                 )
                 codec.subtract_sum_(
                     messages, before, self._scratch, divisor=self._divisor(),
-                    names=_rank_names(len(messages)),
+                    names=rank_names(len(messages)),
                 )  # fmt: skip
                 self.bytes_sent += 0 if message is None else message.numel() * 4
         finally:  # the parameters before the local step, minus the shared sum if it applied
@@ -310,7 +218,7 @@ class SharedOptimizer(torch.optim.Optimizer):
             failure=failure,
         )  # fmt: skip
         work = dist.all_reduce(self._update, group=self.group, async_op=True)
-        _wait(work, self.timeout, "dense all-reduce", dist.get_rank(self.group))
+        wait(work, self.timeout, "dense all-reduce", dist.get_rank(self.group))
         before.sub_(self._update.div_(self._divisor()))
         self.bytes_sent += 4 * self.numel
 

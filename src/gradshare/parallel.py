@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
-import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
@@ -22,7 +21,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from gradshare import codec
+from gradshare import codec, threads
 from gradshare.accumulator import AccumulatorError, EncodedGradientsAccumulator
 from gradshare.residual import ResidualPostProcessor
 from gradshare.threshold import AdaptiveThreshold, ThresholdAlgorithm
@@ -144,8 +143,6 @@ class ParallelWrapper:
             reduction=reduction,
             timeout=timeout,
         )
-        self._serial = num_workers >= (os.cpu_count() or 1)
-        """Workers run the codec's kernels single-threaded when they fill the cores themselves."""
         self.iteration = 0
         self.epoch = 0
         self.history: list[StepStats] = []
@@ -213,7 +210,9 @@ class ParallelWrapper:
 
     def _work(self, w: int, batch: Batch, iteration: int) -> StepStats:
         try:
-            with codec.serial_kernels() if self._serial else contextlib.nullcontext():
+            # workers that fill this process's share of the cores run the kernels serially
+            serial = self.num_workers >= threads.kernel_threads()
+            with codec.serial_kernels() if serial else contextlib.nullcontext():
                 return self._step(w, batch, iteration)
         except BaseException as e:
             self.accumulator.fail(w, e)

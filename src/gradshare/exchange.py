@@ -1,0 +1,191 @@
+"""The message exchange over torch.distributed, and the ordered pipeline that runs it.
+
+Where DL4J sends each message over its own UDP transport, gradshare exchanges them with the
+collectives PyTorch users already run (gloo on CPU, NCCL on CUDA), launched by ``torchrun``:
+
+1. every rank all-gathers a small header ``[status, words, numel]`` (fixed size);
+2. every rank checks that all ranks encode vectors of one size, that none failed locally, and
+   that no claimed length exceeds the largest valid message for that size;
+3. every rank all-gathers its int32 message padded to the longest, and trims each back.
+
+Nothing is pickled: only int64 headers and int32 messages travel. The receivers validate each
+message whole before any element is decoded (:func:`gradshare.codec.decode_sum_`), so a
+corrupted one raises the same :class:`~gradshare.codec.MessageError` on every rank.
+
+:class:`Pipeline` runs exchanges in a background thread, one after the other in the order they
+were submitted, so that every rank issues its collectives in the same order while the caller
+goes on (the DDP hook: bucket k is exchanged while backward computes bucket k+1).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from gradshare import codec
+
+__all__ = ["ExchangeError", "Pipeline", "exchange_messages", "largest_message", "rank_names"]
+
+_OK, _FAILED = 0, 1
+T = TypeVar("T")
+
+
+class ExchangeError(RuntimeError):
+    """The exchange of messages failed on this rank because of another rank (or the network)."""
+
+
+def wait(work: Any, timeout: timedelta, what: str, rank: int) -> None:
+    """Wait for a collective's ``work``; on failure or timeout raise :class:`ExchangeError`."""
+    start = time.monotonic()
+    try:
+        work.wait(timeout)
+    except Exception as e:
+        waited = time.monotonic() - start
+        raise ExchangeError(
+            f"Rank {rank}: the {what} failed after {waited:.1f} s (timeout "
+            f"{timeout.total_seconds():g} s): a peer raised, was killed, or the network is down. "
+            f"Original error: {type(e).__name__}: {e}"
+        ) from e
+
+
+def rank_names(world: int) -> list[str]:
+    """How errors name the messages of an exchange, by position."""
+    return [f"rank {r}" for r in range(world)]
+
+
+def largest_message(numel: int) -> int:
+    """Words of the longest valid message for ``numel`` elements: sparse with every element
+    (N + 4) or a bitmap (N//16 + 5), whichever is longer."""
+    return max(codec.sparse_length(numel), codec.bitmap_length(numel))
+
+
+def exchange_messages(
+    message: torch.Tensor | None,
+    numel: int,
+    *,
+    group: Any = None,
+    timeout: timedelta = timedelta(seconds=300),
+    device: torch.device | None = None,
+    failure: BaseException | None = None,
+) -> list[torch.Tensor | None]:
+    """All-gather every rank's message for a vector of ``numel`` elements, in rank order.
+
+    ``message`` is this rank's int32 message or None (nothing to send). Pass ``failure`` when
+    this rank could not encode: the others then raise :class:`ExchangeError` naming it, and
+    this rank re-raises ``failure`` — so one rank's bad input stops every rank, promptly.
+    Decode them with :func:`gradshare.codec.decode_sum_` or :func:`~gradshare.codec.subtract_sum_`,
+    which validate each whole first and name a bad one's rank.
+
+    Raises:
+        ExchangeError: another rank failed, the ranks' vector sizes differ, a rank claims a
+            longer message than any valid one (nothing is allocated for it), or a collective
+            failed or timed out.
+    """
+    rank = dist.get_rank(group)
+    world = dist.get_world_size(group)
+    if device is None:
+        device = message.device if message is not None else torch.device("cpu")
+    words = 0 if message is None else message.numel()
+    status = _OK if failure is None else _FAILED
+    header = torch.tensor([status, words, numel], dtype=torch.int64, device=device)
+    headers = [torch.empty_like(header) for _ in range(world)]
+    wait(dist.all_gather(headers, header, group=group, async_op=True), timeout, "size exchange",
+         rank)  # fmt: skip
+    table = torch.stack(headers).cpu().tolist()
+    failed = [r for r, h in enumerate(table) if h[0] != _OK]
+    if failure is not None:
+        raise failure
+    if failed:
+        raise ExchangeError(
+            f"Rank {rank}: rank(s) {failed} failed to encode their update this step (see their "
+            "own error); every rank stops here."
+        )
+    sizes = {r: h[2] for r, h in enumerate(table)}
+    if len(set(sizes.values())) != 1:
+        raise ExchangeError(
+            f"Rank {rank}: the ranks share vectors of different sizes {sizes}: every rank must "
+            "hold the same model (same parameters, same order)."
+        )
+    cap = largest_message(numel)
+    claims = {r: h[1] for r, h in enumerate(table) if not 0 <= h[1] <= cap}
+    if claims:
+        raise ExchangeError(
+            f"Rank {rank}: rank(s) {sorted(claims)} claim messages of {claims} words, but no "
+            f"valid message for {numel} elements is longer than {cap}: nothing was allocated; "
+            "those ranks run another program or their memory is corrupted."
+        )
+    longest = max(h[1] for h in table)
+    if longest == 0:
+        return [None] * world
+    padded = torch.zeros(longest, dtype=torch.int32, device=device)
+    if message is not None:
+        padded[:words].copy_(message)
+    gathered = [torch.empty_like(padded) for _ in range(world)]
+    wait(
+        dist.all_gather(gathered, padded, group=group, async_op=True),
+        timeout,
+        "message exchange",
+        rank,
+    )
+    return [m[: h[1]] if h[1] else None for h, m in zip(table, gathered, strict=True)]
+
+
+class Pipeline:
+    """Run jobs one at a time, in submission order, in one background thread.
+
+    Each :meth:`submit` returns a ``torch.futures.Future`` that completes with the job's
+    result (or its exception). Jobs that issue collectives therefore issue them in the same
+    order on every rank, as long as every rank submits in the same order. After a job fails,
+    the jobs already queued behind it fail at once with the same error (their collectives
+    would only wait for a peer that is gone) until :meth:`clear_failure`.
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], torch.futures.Future[Any]]] = (
+            queue.SimpleQueue()
+        )
+        self._thread: threading.Thread | None = None
+        self._failure: BaseException | None = None
+        self._lock = threading.Lock()
+
+    def submit(self, job: Callable[[], T]) -> torch.futures.Future[T]:
+        future: torch.futures.Future[T] = torch.futures.Future()
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+                self._thread.start()
+        self._jobs.put((job, future))
+        return future
+
+    def clear_failure(self) -> None:
+        """Let the next job run again after a failure (called at a pass's end)."""
+        self._jobs.put((self._clear, torch.futures.Future()))
+
+    def _clear(self) -> None:
+        self._failure = None
+
+    def _run(self) -> None:
+        while True:
+            self._step(*self._jobs.get())  # holds nothing of a job between jobs
+
+    def _step(self, job: Callable[[], Any], future: torch.futures.Future[Any]) -> None:
+        clearing = job == self._clear
+        if self._failure is not None and not clearing:
+            future.set_exception(self._failure)
+            return
+        try:
+            result = job()
+        except BaseException as e:
+            if not clearing:
+                self._failure = e
+            future.set_exception(e)
+        else:
+            future.set_result(result)
