@@ -32,8 +32,12 @@ class TestPositions:
         assert tail.delta(0) == 0 and tail.delta(1) == 3
         tail.put(_full(5, 4))
         assert tail.delta(0) == 1 and tail.delta(1) == 4
-        assert not tail.drain_to(0, torch.zeros(5)) or tail.delta(0) == 0
-        assert not tail.drain_to(0, torch.zeros(5))  # nothing new: False, target untouched
+        target = torch.zeros(5)
+        assert tail.drain_to(0, target) is True  # one new entry: True, and it is added
+        assert target.tolist() == [4.0] * 5 and tail.delta(0) == 0 and tail.delta(1) == 4
+        untouched = torch.full((5,), 7.0)
+        assert tail.drain_to(0, untouched) is False  # nothing new: False, target untouched
+        assert untouched.tolist() == [7.0] * 5 and tail.delta(1) == 4
 
     def test_maintenance_frees_what_all_read(self) -> None:
         tail = IndexedTail(2)
