@@ -136,8 +136,22 @@ class TestAverage:
         assert avg.calculate_threshold(1, 1, None, False, 1e-3) == pytest.approx(3e-4, rel=1e-12)
         assert a.last_threshold == 1e-4  # inputs untouched
 
+    def test_different_settings_average_with_first_settings(self) -> None:
+        """DL4J's ThresholdAlgorithmTests: AdaptiveThresholds started at 1e-4 and 5e-4 reduce
+        to one at 3e-4, built with the first one's settings (they used to be refused)."""
+        a, b = AdaptiveThreshold(1e-4), AdaptiveThreshold(5e-4, 1e-3, 2e-2, 0.9)
+        a.calculate_threshold(0, 0, None, None, None)
+        b.calculate_threshold(0, 0, None, None, None)
+        a.last_sparsity, b.last_sparsity = 1e-3, 3e-3
+        avg = ThresholdAlgorithm.average([a, b])
+        assert type(avg) is AdaptiveThreshold and avg.settings() == a.settings()
+        assert avg.last_threshold == pytest.approx(3e-4, rel=1e-12)
+        assert avg.last_sparsity == pytest.approx(2e-3, rel=1e-12)
+        f = ThresholdAlgorithm.average([FixedThreshold(1.0), FixedThreshold(2.0)])
+        assert f.settings() == {"threshold": 1.0}
+
     def test_errors(self) -> None:
         with pytest.raises(ValueError, match="none"):
             ThresholdAlgorithm.average([])
-        with pytest.raises(ValueError, match="one class"):
+        with pytest.raises(TypeError, match="AdaptiveThreshold and FixedThreshold"):
             ThresholdAlgorithm.average([AdaptiveThreshold(), FixedThreshold(1.0)])

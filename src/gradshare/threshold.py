@@ -110,16 +110,23 @@ class ThresholdAlgorithm(abc.ABC):
     def average(algorithms: Sequence[ThresholdAlgorithm]) -> ThresholdAlgorithm:
         """DL4J's reducer: one algorithm whose last threshold and sparsity are the workers' means.
 
-        A new epoch (or a restarted run) then resumes from where the workers were.
+        A new epoch (or a restarted run) then resumes from where the workers were. As in DL4J,
+        the settings may differ (say two AdaptiveThresholds started at 1e-4 and 5e-4): the
+        result is a copy of the first algorithm, settings included, with the averaged state.
+        Workers that have no last threshold (or sparsity) yet are left out of that mean.
+
+        Raises:
+            ValueError: no algorithms.
+            TypeError: algorithms of different classes, whose states mean different things.
         """
         if not algorithms:
             raise ValueError("Expect at least one algorithm to average, got none.")
         first = algorithms[0]
         for other in algorithms[1:]:
-            if type(other) is not type(first) or other.settings() != first.settings():
-                raise ValueError(
-                    f"Cannot average {first!r} with {other!r}: average algorithms of one "
-                    "class and one setting only."
+            if type(other) is not type(first):
+                raise TypeError(
+                    f"Expect algorithms of one class to average, got {type(first).__name__} "
+                    f"and {type(other).__name__}: give every worker the same kind of algorithm."
                 )
         out = first.clone()
         out.last_threshold = _mean([a.last_threshold for a in algorithms])
