@@ -104,6 +104,36 @@ class TestFormatChoice:
         assert enc.last_stats is not None and enc.last_stats.format is None
         assert enc.residual is not None and enc.residual[5].item() == 3.0
 
+    def test_nothing_sent_below_two_for_small_n(self) -> None:
+        """Under N = 80 the cut-off K + 4 >= N//16 holds even for K = 0: an empty bitmap used
+        to go out, touching the residual (the -t/2 rule) and reported as dense."""
+        enc = Encoder(FixedThreshold(1.0))
+        u = torch.zeros(32)
+        u[3], u[7] = 5.0, -0.6
+        assert enc.encode(u, 0) is None
+        assert enc.last_stats is not None and enc.last_stats.format is None
+        assert enc.last_stats.entries == 0 and enc.last_stats.message_bytes == 0
+        assert enc.residual is not None and torch.equal(enc.residual, u)
+
+    def test_zero_updates_lower_the_threshold_for_small_n(self) -> None:
+        """Nothing crosses, so the algorithm hears sparsity 0 and t falls (it used to hear
+        'dense' and climb: 1e-3 -> 7.7e-3 in 60 steps at N = 32)."""
+        for n in (1, 15, 32, 79, 1600):
+            enc = Encoder(AdaptiveThreshold(1e-3))
+            thresholds = []
+            for i in range(60):
+                assert enc.encode(torch.zeros(n), i) is None
+                assert enc.last_stats is not None
+                thresholds.append(enc.last_stats.threshold)
+            assert thresholds == sorted(thresholds, reverse=True) and thresholds[-1] < 2e-4
+
+    def test_two_crossing_in_a_small_vector_is_the_spec_bitmap(self) -> None:
+        """SPEC §1's bitmap vector, through the encoder: 2 cross (and one -t/2), N = 6."""
+        enc = Encoder(FixedThreshold(1e-3))
+        msg = enc.encode(torch.tensor([0.0, -6e-4, 1e-3, -1e-3, 0.0, 0.0]), 0)
+        assert msg is not None and msg.tolist() == [6, 6, 981668463, 1, 655372]
+        assert enc.last_stats is not None and enc.last_stats.format == "bitmap"
+
     def test_threshold_feedback_after_bitmap(self) -> None:
         """After a bitmap the adaptive algorithm is told 'dense' and raises t."""
         enc = Encoder(AdaptiveThreshold(1e-3))

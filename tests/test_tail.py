@@ -32,8 +32,12 @@ class TestPositions:
         assert tail.delta(0) == 0 and tail.delta(1) == 3
         tail.put(_full(5, 4))
         assert tail.delta(0) == 1 and tail.delta(1) == 4
-        assert not tail.drain_to(0, torch.zeros(5)) or tail.delta(0) == 0
-        assert not tail.drain_to(0, torch.zeros(5))  # nothing new: False, target untouched
+        target = torch.zeros(5)
+        assert tail.drain_to(0, target) is True  # one new entry: True, and it is added
+        assert target.tolist() == [4.0] * 5 and tail.delta(0) == 0 and tail.delta(1) == 4
+        untouched = torch.full((5,), 7.0)
+        assert tail.drain_to(0, untouched) is False  # nothing new: False, target untouched
+        assert untouched.tolist() == [7.0] * 5 and tail.delta(1) == 4
 
     def test_maintenance_frees_what_all_read(self) -> None:
         tail = IndexedTail(2)
@@ -77,19 +81,59 @@ class TestPositions:
 
 
 class TestCollapse:
-    """With collapsing on, entries nobody has read are summed into one dense entry."""
+    """With collapsing on, a put sums the entries nobody has read into one dense entry.
+
+    The unread-by-everyone part of the tail stays at most :data:`COLLAPSE_AT` entries however
+    long nobody drains, and every consumer drains exactly the totals it would without it.
+    """
 
     def test_64_puts_collapse_to_one_holding_2080(self) -> None:
-        tail = IndexedTail(1, allow_collapse=True, numel=25)
+        """DL4J's testSingleThreaded_3: collapsing happens on put, not only on a drain."""
+        tail = IndexedTail(2, allow_collapse=True, numel=25)
         for i in range(1, 65):
             tail.put(_full(25, i))
-        assert tail.updates_size() == 64
-        assert tail.maybe_collapse()
         assert tail.updates_size() == 1
-        target = torch.zeros(25)
-        tail.drain_to(0, target)
-        assert target.tolist() == [2080.0] * 25
+        assert tail.delta(0) == tail.delta(1) == 1
+        assert not tail.maybe_collapse()  # nothing left to do
+        for consumer in range(2):
+            target = torch.zeros(25)
+            assert tail.drain_to(consumer, target)
+            assert target.tolist() == [2080.0] * 25
         assert tail.updates_size() == 0
+
+    def test_memory_stays_bounded_while_nobody_drains(self) -> None:
+        tail = IndexedTail(1, allow_collapse=True, numel=3)
+        sizes = []
+        for i in range(1, 1001):
+            tail.put(_full(3, i))
+            sizes.append(tail.updates_size())
+        assert max(sizes) == COLLAPSE_AT - 1 and sizes[-1] == 1
+        target = torch.zeros(3)
+        tail.drain_to(0, target)
+        assert target.tolist() == [500500.0] * 3
+
+    def test_collapse_again_after_a_read_and_mixed_entries(self) -> None:
+        """A read ends merging into the collapsed entry; later puts pile up and collapse anew.
+        Messages and dense vectors alike; totals equal those of a tail without collapsing."""
+        on, off = IndexedTail(2, allow_collapse=True), IndexedTail(2)
+        totals = {(tail, c): torch.zeros(4) for tail in (on, off) for c in range(2)}
+        for i in range(200):
+            x = torch.tensor([float(i % 5), -2.0, 0.0, 1.0])
+            msg = encode_sparse_(x.clone(), 1.0)
+            assert msg is not None
+            for tail in (on, off):
+                tail.put(msg if i % 3 else x)
+            if i % 70 == 69:
+                on.drain_to(0, totals[on, 0])
+                off.drain_to(0, totals[off, 0])
+        # one collapsed entry per stretch between consumer 0's reads, each read by it only
+        assert on.updates_size() == 3 and off.updates_size() == 200
+        for tail in (on, off):
+            for c in range(2):
+                tail.drain_to(c, totals[tail, c])
+        for c in range(2):
+            assert torch.equal(totals[on, c], totals[off, c])
+        assert torch.equal(totals[on, 0], totals[on, 1])
 
     def test_no_collapse_below_threshold_or_when_off(self) -> None:
         on, off = IndexedTail(1, allow_collapse=True), IndexedTail(1)
@@ -99,6 +143,18 @@ class TestCollapse:
         off.put(_full(2, 0))
         assert not on.maybe_collapse() and on.updates_size() == COLLAPSE_AT - 1
         assert not off.maybe_collapse() and off.updates_size() == COLLAPSE_AT
+        on.put(_full(2, 0))
+        assert on.updates_size() == 1
+
+    def test_maybe_collapse_after_switching_on(self) -> None:
+        tail = IndexedTail(1)
+        for i in range(1, 41):
+            tail.put(_full(2, i))
+        tail.allow_collapse = True
+        assert tail.maybe_collapse() and tail.updates_size() == 1
+        target = torch.zeros(2)
+        tail.drain_to(0, target)
+        assert target.tolist() == [820.0, 820.0]
 
     def test_collapse_spares_entries_a_consumer_has_read(self) -> None:
         """A consumer ahead of another must not read the collapsed entries twice."""
@@ -109,7 +165,6 @@ class TestCollapse:
         tail.drain_to(0, ahead)  # consumer 0 read 1..10 (55), consumer 1 nothing
         for i in range(11, 51):
             tail.put(_full(2, i))
-        assert tail.maybe_collapse()
         assert tail.updates_size() == 11  # 10 read by consumer 0 only, plus the collapsed 40
         tail.drain_to(0, ahead)
         behind = torch.zeros(2)

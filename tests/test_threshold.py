@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from gradshare import AdaptiveThreshold, FixedThreshold, TargetSparsityThreshold
-from gradshare.threshold import DEFAULT_DECAY, ThresholdAlgorithm
+from gradshare.threshold import DEFAULT_DECAY, THRESHOLD_SPAN, ThresholdAlgorithm
 
 
 class TestAdaptive:
@@ -53,6 +53,75 @@ class TestAdaptive:
     def test_validation(self, kwargs: dict[str, float], match: str) -> None:
         with pytest.raises(ValueError, match=match):
             AdaptiveThreshold(**kwargs)
+
+
+def _zero_steps(a: ThresholdAlgorithm, steps: int, t: float | None = None) -> float:
+    """Feed ``steps`` messages that sent nothing (sparsity 0); return the last threshold."""
+    if t is None:
+        t = a.calculate_threshold(0, 0, None, None, None)
+    for i in range(steps):
+        t = a.calculate_threshold(i + 1, 0, t, False, 0.0)
+    return t
+
+
+class TestBounds:
+    """t stays within [min_threshold, max_threshold]; without it, steps that send nothing
+    shrank it without end (1,500 of them: 2.7e-26, then ~1,500 steps to climb back)."""
+
+    @pytest.mark.parametrize("cls", [AdaptiveThreshold, TargetSparsityThreshold])
+    def test_zero_steps_stop_at_the_floor_and_recover_fast(self, cls: type) -> None:
+        a = cls(1e-4)
+        assert a.min_threshold == 1e-4 / THRESHOLD_SPAN and a.max_threshold == 1e-4 * 1e6
+        t = _zero_steps(a, 1500)
+        assert t == a.min_threshold == pytest.approx(1e-10)
+        steps = 0
+        while t < 1e-4:
+            t = a.calculate_threshold(steps, 0, t, True, None)  # bitmaps: too dense, t rises
+            steps += 1
+        assert steps <= 400
+
+    @pytest.mark.parametrize("cls", [AdaptiveThreshold, TargetSparsityThreshold])
+    def test_explicit_bounds_clamp_both_ways(self, cls: type) -> None:
+        a = cls(1e-3, min_threshold=5e-4, max_threshold=2e-3)
+        assert _zero_steps(a, 100) == 5e-4
+        t = a.calculate_threshold(1, 0, None, None, None)
+        for i in range(100):
+            t = a.calculate_threshold(i, 0, t, True, None)
+        assert t == 2e-3
+        assert a.calculate_threshold(0, 0, 1.0, False, 1e-3) == 2e-3  # a given t is bounded too
+
+    def test_bounds_never_bind_in_the_band(self) -> None:
+        """Inside the defaults the DL4J sequence is unchanged (see TestAdaptive)."""
+        a = AdaptiveThreshold(1e-3)
+        expected = 1e-3
+        for _ in range(300):
+            expected *= DEFAULT_DECAY
+        assert _zero_steps(a, 300) == expected > a.min_threshold
+
+    @pytest.mark.parametrize(
+        "kwargs,match",
+        [
+            ({"min_threshold": 0.0}, "min_threshold"),
+            ({"max_threshold": float("inf")}, "max_threshold"),
+            ({"min_threshold": 2e-3}, "<= `initial` <="),
+            ({"max_threshold": 5e-4}, "<= `initial` <="),
+        ],
+    )
+    @pytest.mark.parametrize("cls", [AdaptiveThreshold, TargetSparsityThreshold])
+    def test_validation(self, cls: type, kwargs: dict[str, float], match: str) -> None:
+        with pytest.raises(ValueError, match=match):
+            cls(1e-3, **kwargs)
+
+    def test_in_state_dict_and_clone(self) -> None:
+        a = AdaptiveThreshold(1e-3, min_threshold=1e-5, max_threshold=1e-1)
+        settings = a.state_dict()["settings"]
+        assert settings["min_threshold"] == 1e-5 and settings["max_threshold"] == 1e-1
+        b = a.clone()
+        assert isinstance(b, AdaptiveThreshold) and b.settings() == a.settings()
+        with pytest.raises(ValueError, match="settings"):
+            AdaptiveThreshold(1e-3).load_state_dict(a.state_dict())
+        c = AdaptiveThreshold(1e-3, min_threshold=1e-5, max_threshold=1e-1)
+        c.load_state_dict(a.state_dict())
 
 
 class TestTargetSparsity:
@@ -136,8 +205,22 @@ class TestAverage:
         assert avg.calculate_threshold(1, 1, None, False, 1e-3) == pytest.approx(3e-4, rel=1e-12)
         assert a.last_threshold == 1e-4  # inputs untouched
 
+    def test_different_settings_average_with_first_settings(self) -> None:
+        """DL4J's ThresholdAlgorithmTests: AdaptiveThresholds started at 1e-4 and 5e-4 reduce
+        to one at 3e-4, built with the first one's settings (they used to be refused)."""
+        a, b = AdaptiveThreshold(1e-4), AdaptiveThreshold(5e-4, 1e-3, 2e-2, 0.9)
+        a.calculate_threshold(0, 0, None, None, None)
+        b.calculate_threshold(0, 0, None, None, None)
+        a.last_sparsity, b.last_sparsity = 1e-3, 3e-3
+        avg = ThresholdAlgorithm.average([a, b])
+        assert type(avg) is AdaptiveThreshold and avg.settings() == a.settings()
+        assert avg.last_threshold == pytest.approx(3e-4, rel=1e-12)
+        assert avg.last_sparsity == pytest.approx(2e-3, rel=1e-12)
+        f = ThresholdAlgorithm.average([FixedThreshold(1.0), FixedThreshold(2.0)])
+        assert f.settings() == {"threshold": 1.0}
+
     def test_errors(self) -> None:
         with pytest.raises(ValueError, match="none"):
             ThresholdAlgorithm.average([])
-        with pytest.raises(ValueError, match="one class"):
+        with pytest.raises(TypeError, match="AdaptiveThreshold and FixedThreshold"):
             ThresholdAlgorithm.average([AdaptiveThreshold(), FixedThreshold(1.0)])

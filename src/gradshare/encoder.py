@@ -57,8 +57,10 @@ class Encoder:
     2. asks the threshold algorithm for t, given the last message's threshold and sparsity;
     3. adds the update into the float32 residual and counts the elements with ``|x| >= t``
        in the same pass;
-    4. picks the format from that count, DL4J's cut-off: a bitmap when ``K + 4 >= N // 16``
-       (K capped by ``boundary``), else sparse; no message when fewer than 2 qualify;
+    4. picks the format from that count: no message when fewer than 2 qualify, whatever N
+       (the residual is left as it is and the algorithm is told sparsity 0, so t falls);
+       else DL4J's cut-off, a bitmap when ``K + 4 >= N // 16`` (K capped by ``boundary``),
+       else sparse;
     5. encodes in place (only t per sent element leaves the residual) and post-processes.
 
     The conservation law holds at every step: the sum of all updates equals the sum of all
@@ -152,14 +154,16 @@ class Encoder:
         count = self._ws.scan_(residual, u, t)
         limit = count if self.boundary is None else min(count, self.boundary)
         message: torch.Tensor | None
-        if codec.sparse_length(limit) >= n // 16:
+        fmt: str | None
+        if count < 2:  # scan_ has left the residual as it was
+            message, entries, fmt = None, 0, None
+            self._last = (t, False, 0.0)
+        elif codec.sparse_length(limit) >= n // 16:
             message, entries = self._ws.bitmap_(residual, t)
-            fmt: str | None = "bitmap"
+            fmt = "bitmap"
             self._last = (t, True, None)
         else:
-            message = self._ws.emit_(residual, limit) if count >= 2 else None
-            entries = limit if message is not None else 0
-            fmt = "sparse" if message is not None else None
+            message, entries, fmt = self._ws.emit_(residual, limit), limit, "sparse"
             self._last = (t, False, entries / n)
         clipped = float(self.post_processor.process_(iteration, epoch, t, residual))
         sumsq = self._ws.sumsq if clipped == 0 else float(residual.double().square().sum())

@@ -3,8 +3,10 @@
 The port of DL4J's ``IndexedTail``. Updates that arrive from other nodes are appended once;
 each local consumer has its own read position and :meth:`IndexedTail.drain_to` adds everything
 it has not yet applied. Entries that every consumer has read are freed. With collapsing on,
-once :data:`COLLAPSE_AT` or more entries are unread by every consumer they are summed into one
-dense entry, so a slow consumer costs memory of one vector instead of a growing list.
+:meth:`IndexedTail.put` keeps the entries that no consumer has read bounded, as DL4J does: once
+:data:`COLLAPSE_AT` of them pile up they are summed into one dense entry, and later puts are
+added into that entry until some consumer reads it. So a tail nobody drains costs the memory of
+one vector instead of a growing list.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from gradshare import codec
 __all__ = ["COLLAPSE_AT", "IndexedTail"]
 
 COLLAPSE_AT = 32
-"""Entries unread by every consumer at which :meth:`IndexedTail.maybe_collapse` sums them."""
+"""Entries unread by every consumer at which a put (or :meth:`IndexedTail.maybe_collapse`) sums
+them into one dense entry."""
 
 
 class IndexedTail:
@@ -32,8 +35,9 @@ class IndexedTail:
     Args:
         expected_consumers: how many consumers read this tail.
         allow_collapse: sum entries that no consumer has read yet into one dense entry once
-            :data:`COLLAPSE_AT` of them pile up (checked on every drain and by
-            :meth:`maybe_collapse`).
+            :data:`COLLAPSE_AT` of them pile up, checked on every put; while no consumer has
+            read that entry, further puts are added into it. Every consumer still drains
+            exactly the same total, to float rounding of the summation order.
         numel: the vector length; None to take it from the first put.
 
     Example::
@@ -66,6 +70,7 @@ class IndexedTail:
         self._entries: list[torch.Tensor] = []
         self._base = 0  # global index of self._entries[0]
         self._positions = [0] * expected_consumers  # global index of each consumer's next read
+        self._collapsed: int | None = None  # global index of the last collapsed entry, if any
 
     # ------------------------------------------------------------------ writing
 
@@ -97,7 +102,11 @@ class IndexedTail:
                 self.numel = numel
             elif numel != self.numel:
                 raise ValueError(f"Expect a message for {self.numel} elements, got {numel}.")
+            if self.allow_collapse and self._unread_collapsed_locked():
+                _add_(self._entries[-1], entry)
+                return
             self._entries.append(entry)
+            self._collapse_locked()
 
     # ------------------------------------------------------------------ reading
 
@@ -129,14 +138,10 @@ class IndexedTail:
                 raise ValueError(
                     f"Expect `target` of {self.numel} elements (this tail's), got {target.numel()}."
                 )
-            self._collapse_locked()
             start = self._positions[consumer] - self._base
             unread = self._entries[start:]
             for entry in unread:
-                if entry.dtype == torch.int32:
-                    codec.decode_(entry.to(target.device), target)
-                else:
-                    target.add_(entry.to(device=target.device, dtype=target.dtype))
+                _add_(target, entry)
             self._positions[consumer] = self._base + len(self._entries)
             self._free_locked()
             return bool(unread)
@@ -149,7 +154,10 @@ class IndexedTail:
             return len(self._entries)
 
     def maybe_collapse(self) -> bool:
-        """Sum the entries no consumer has read into one, if collapsing is on and enough wait."""
+        """Sum the entries no consumer has read into one, if collapsing is on and enough wait.
+
+        Puts already do this, so it only finds work after ``allow_collapse`` was switched on.
+        """
         with self._lock:
             return self._collapse_locked()
 
@@ -159,6 +167,12 @@ class IndexedTail:
             self._entries.clear()
             self._base = 0
             self._positions = [0] * self.expected_consumers
+            self._collapsed = None
+
+    def _unread_collapsed_locked(self) -> bool:
+        """Whether the last entry is a collapsed one that no consumer has read yet."""
+        last = self._base + len(self._entries) - 1
+        return self._collapsed == last and max(self._positions) <= last
 
     def _collapse_locked(self) -> bool:
         if not self.allow_collapse or self.numel is None:
@@ -168,12 +182,10 @@ class IndexedTail:
             return False
         dense = torch.zeros(self.numel, dtype=torch.float32, device=self._entries[first].device)
         for entry in self._entries[first:]:
-            if entry.dtype == torch.int32:
-                codec.decode_(entry.to(dense.device), dense)
-            else:
-                dense.add_(entry.to(dense.device))
+            _add_(dense, entry)
         del self._entries[first:]
         self._entries.append(dense)
+        self._collapsed = self._base + len(self._entries) - 1
         return True
 
     def _free_locked(self) -> None:
@@ -181,3 +193,11 @@ class IndexedTail:
         if done > 0:
             del self._entries[:done]
             self._base += done
+
+
+def _add_(target: torch.Tensor, entry: torch.Tensor) -> None:
+    """Add one entry (an int32 message or a dense float32 vector) into ``target``."""
+    if entry.dtype == torch.int32:
+        codec.decode_(entry.to(target.device), target)
+    else:
+        target.add_(entry.to(device=target.device, dtype=target.dtype))

@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 
 __all__ = [
     "DEFAULT_DECAY",
+    "THRESHOLD_SPAN",
     "AdaptiveThreshold",
     "FixedThreshold",
     "TargetSparsityThreshold",
@@ -27,6 +28,16 @@ DEFAULT_DECAY = 0.5 ** (1 / 20)
 """DL4J's decay: t halves (or doubles) over 20 steps outside the target band."""
 DENSE_SPARSITY = 1 / 16
 """The sparsity assumed after a bitmap message, which carries no count of its own."""
+THRESHOLD_SPAN = 1e6
+"""How far the adaptive algorithms let t move from ``initial`` by default, as a factor either way.
+
+Without a floor, steps that send nothing (zero updates: frozen layers, a paused loss) shrink t by
+``decay`` each, forever: after 1,500 of them t is 2.7e-26 and climbing back takes about as many
+steps. With the floor at ``initial / THRESHOLD_SPAN`` (and the ceiling at ``initial *
+THRESHOLD_SPAN``) that is at most ~400 steps with the default decay, while ordinary training,
+whose update magnitudes stay within a millionth of the ``initial`` one picks near them, never
+reaches either bound. The bounds are relative so they suit any scale of ``initial``.
+"""
 
 
 def _positive(name: str, value: float, why: str) -> float:
@@ -110,16 +121,23 @@ class ThresholdAlgorithm(abc.ABC):
     def average(algorithms: Sequence[ThresholdAlgorithm]) -> ThresholdAlgorithm:
         """DL4J's reducer: one algorithm whose last threshold and sparsity are the workers' means.
 
-        A new epoch (or a restarted run) then resumes from where the workers were.
+        A new epoch (or a restarted run) then resumes from where the workers were. As in DL4J,
+        the settings may differ (say two AdaptiveThresholds started at 1e-4 and 5e-4): the
+        result is a copy of the first algorithm, settings included, with the averaged state.
+        Workers that have no last threshold (or sparsity) yet are left out of that mean.
+
+        Raises:
+            ValueError: no algorithms.
+            TypeError: algorithms of different classes, whose states mean different things.
         """
         if not algorithms:
             raise ValueError("Expect at least one algorithm to average, got none.")
         first = algorithms[0]
         for other in algorithms[1:]:
-            if type(other) is not type(first) or other.settings() != first.settings():
-                raise ValueError(
-                    f"Cannot average {first!r} with {other!r}: average algorithms of one "
-                    "class and one setting only."
+            if type(other) is not type(first):
+                raise TypeError(
+                    f"Expect algorithms of one class to average, got {type(first).__name__} "
+                    f"and {type(other).__name__}: give every worker the same kind of algorithm."
                 )
         out = first.clone()
         out.last_threshold = _mean([a.last_threshold for a in algorithms])
@@ -137,10 +155,27 @@ def _mean(values: list[float | None]) -> float | None:
 
 
 class _BandThreshold(ThresholdAlgorithm):
-    """Shared rule: lower t (x decay) below the band, raise it (/ decay) above it."""
+    """Shared rule: lower t (x decay) below the band, raise it (/ decay) above it, and keep it
+    within ``[min_threshold, max_threshold]``."""
 
     initial: float
     decay: float
+    min_threshold: float
+    max_threshold: float
+
+    def _set_bounds(self, min_threshold: float | None, max_threshold: float | None) -> None:
+        """Validate and store the bounds of t (defaults: ``initial`` / and * THRESHOLD_SPAN)."""
+        why = "it bounds the threshold."
+        low = self.initial / THRESHOLD_SPAN if min_threshold is None else min_threshold
+        high = self.initial * THRESHOLD_SPAN if max_threshold is None else max_threshold
+        self.min_threshold = _positive("min_threshold", low, why)
+        self.max_threshold = _positive("max_threshold", high, why)
+        if not self.min_threshold <= self.initial <= self.max_threshold:
+            raise ValueError(
+                f"Expect `min_threshold` <= `initial` <= `max_threshold`, got "
+                f"{self.min_threshold!r}, {self.initial!r}, {self.max_threshold!r}: the first "
+                "threshold must be one the algorithm may return; widen the bounds."
+            )
 
     def _band(self) -> tuple[float, float]:
         raise NotImplementedError
@@ -173,6 +208,7 @@ class _BandThreshold(ThresholdAlgorithm):
             t = base / self.decay
         else:
             t = base
+        t = min(max(t, self.min_threshold), self.max_threshold)
         self.last_threshold, self.last_sparsity = t, s
         return t
 
@@ -187,14 +223,29 @@ class AdaptiveThreshold(_BandThreshold):
     default decay); pick it near the typical magnitude of a good update element. Widen the band
     to let t rest more, narrow it to hold the wire budget tighter.
 
+    t never leaves ``[min_threshold, max_threshold]`` (gradshare's addition; DL4J's t decays
+    without end while nothing is sent). The defaults, ``initial`` divided and multiplied by
+    :data:`THRESHOLD_SPAN` (1e6), only stop a runaway: see there.
+
     Args:
         initial: the first threshold, > 0.
         min_sparsity: lower edge of the target band, > 0.
         max_sparsity: upper edge, >= ``min_sparsity``.
         decay: the factor per step, in [0.5, 1).
+        min_threshold: the smallest t returned, in (0, ``initial``]; None for
+            ``initial / THRESHOLD_SPAN``.
+        max_threshold: the largest t returned, finite and >= ``initial``; None for
+            ``initial * THRESHOLD_SPAN``.
     """
 
-    _settings_names = ("initial", "min_sparsity", "max_sparsity", "decay")
+    _settings_names = (
+        "initial",
+        "min_sparsity",
+        "max_sparsity",
+        "decay",
+        "min_threshold",
+        "max_threshold",
+    )
 
     def __init__(
         self,
@@ -202,6 +253,9 @@ class AdaptiveThreshold(_BandThreshold):
         min_sparsity: float = 1e-4,
         max_sparsity: float = 1e-2,
         decay: float = DEFAULT_DECAY,
+        *,
+        min_threshold: float | None = None,
+        max_threshold: float | None = None,
     ) -> None:
         super().__init__()
         self.initial = _positive("initial", initial, "it is the first threshold.")
@@ -213,6 +267,7 @@ class AdaptiveThreshold(_BandThreshold):
                 f"{max_sparsity!r}: swap them."
             )
         self.decay = _decay(decay)
+        self._set_bounds(min_threshold, max_threshold)
 
     def _band(self) -> tuple[float, float]:
         return self.min_sparsity, self.max_sparsity
@@ -221,16 +276,28 @@ class AdaptiveThreshold(_BandThreshold):
 class TargetSparsityThreshold(_BandThreshold):
     """Adapt t toward one target sparsity: below it x ``decay``, above it / ``decay``.
 
+    Like :class:`AdaptiveThreshold`, t stays within ``[min_threshold, max_threshold]``.
+
     Args:
         initial: the first threshold, > 0.
         target: the sparsity to hold, in (0, 1/16) (past 1/16 a bitmap is smaller anyway).
         decay: the factor per step, in [0.5, 1).
+        min_threshold: the smallest t returned, in (0, ``initial``]; None for
+            ``initial / THRESHOLD_SPAN``.
+        max_threshold: the largest t returned, finite and >= ``initial``; None for
+            ``initial * THRESHOLD_SPAN``.
     """
 
-    _settings_names = ("initial", "target", "decay")
+    _settings_names = ("initial", "target", "decay", "min_threshold", "max_threshold")
 
     def __init__(
-        self, initial: float = 1e-4, target: float = 1e-3, decay: float = DEFAULT_DECAY
+        self,
+        initial: float = 1e-4,
+        target: float = 1e-3,
+        decay: float = DEFAULT_DECAY,
+        *,
+        min_threshold: float | None = None,
+        max_threshold: float | None = None,
     ) -> None:
         super().__init__()
         self.initial = _positive("initial", initial, "it is the first threshold.")
@@ -242,6 +309,7 @@ class TargetSparsityThreshold(_BandThreshold):
             )
         self.target = target
         self.decay = _decay(decay)
+        self._set_bounds(min_threshold, max_threshold)
 
     def _band(self) -> tuple[float, float]:
         return self.target, self.target
