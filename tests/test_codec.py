@@ -786,3 +786,51 @@ def test_serial_kernels_equal_parallel() -> None:
             results.append(out)
     for a, b in zip(*results, strict=True):
         assert torch.equal(a, b)
+
+
+class TestTakeUpdate:
+    """``take_update_``: the update an optimizer step made, checked finite in the same pass."""
+
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])
+    @pytest.mark.parametrize("n", [5, (1 << 16) * 3 + 7])
+    def test_exact_difference_and_restore(self, dtype: torch.dtype, n: int) -> None:
+        g = torch.Generator().manual_seed(n)
+        before = torch.randn(n, generator=g).to(dtype)
+        after = torch.randn(n, generator=g).to(dtype)
+        out = torch.empty_like(before)
+        expected = before - after
+        codec.take_update_(before, after.clone(), out)
+        assert torch.equal(out, expected)
+        restored = after.clone()
+        codec.take_update_(before, restored, out, restore=True)
+        assert torch.equal(out, expected) and torch.equal(restored, before)
+
+    def test_out_may_be_after(self) -> None:
+        before, after = torch.arange(8.0), torch.ones(8)
+        codec.take_update_(before, after, after)
+        assert after.tolist() == [float(i - 1) for i in range(8)]
+
+    @pytest.mark.parametrize("n", [10, 200_000])
+    def test_nonfinite_is_named_and_parameters_still_restored(self, n: int) -> None:
+        before, after = torch.zeros(n), torch.zeros(n)
+        after[n - 3], after[n - 1] = float("nan"), float("inf")
+        with pytest.raises(
+            ValueError, match=rf"2 non-finite value\(s\), the first at flat index {n - 3}"
+        ):
+            codec.take_update_(before, after, torch.empty(n), restore=True)
+        assert torch.equal(after, before)
+
+    def test_mismatched_buffers_refused(self) -> None:
+        with pytest.raises(ValueError, match="like `before`"):
+            codec.take_update_(torch.zeros(4), torch.zeros(5), torch.zeros(4))
+
+
+def test_checked_sum_still_refuses_another_length() -> None:
+    """``checked=True`` skips re-validating a process's own messages, never the length check
+    that keeps a decode inside its target."""
+    message = codec.encode_sparse_(torch.tensor([1.0, -1.0, 0.0, 1.0]), 0.5)
+    out = torch.zeros(3)
+    with pytest.raises(MessageError, match="N = 4"):
+        codec.decode_sum_([message], out, checked=True)
+    assert torch.equal(out, torch.zeros(3))
+    codec.decode_sum_([message], torch.zeros(4), checked=True)

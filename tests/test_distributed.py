@@ -112,8 +112,10 @@ def _rank_corrupt(rank: int, world: int) -> torch.Tensor:
     if rank == 1:
         encode = opt.encoder.encode
 
-        def corrupt(update: torch.Tensor, iteration: int, epoch: int = 0) -> torch.Tensor | None:
-            message = encode(update, iteration, epoch)
+        def corrupt(
+            update: torch.Tensor, iteration: int, epoch: int = 0, **kw: bool
+        ) -> torch.Tensor | None:
+            message = encode(update, iteration, epoch, **kw)
             assert message is not None
             message[-1] = message.numel() * 1000  # an index far past N
             return message

@@ -86,9 +86,11 @@ class TestReplicas:
         clipped_steps = [0, 0]
         store = acc.store_update
 
-        def recording_store(party: int, update: torch.Tensor, iteration: int, epoch: int = 0):
+        def recording_store(
+            party: int, update: torch.Tensor, iteration: int, epoch: int = 0, **kw: bool
+        ):
             before = update.double()  # the caller reuses its buffer: copy now
-            message = store(party, update, iteration, epoch)
+            message = store(party, update, iteration, epoch, **kw)
             totals[party] += before
             if message is not None:
                 totals[party] -= decode_(message, torch.zeros(n)).double()
@@ -115,9 +117,11 @@ class TestReplicas:
         )
         store2 = acc2.store_update
 
-        def recording_store2(party: int, update: torch.Tensor, iteration: int, epoch: int = 0):
+        def recording_store2(
+            party: int, update: torch.Tensor, iteration: int, epoch: int = 0, **kw: bool
+        ):
             totals2[party] += update.double()
-            message = store2(party, update, iteration, epoch)
+            message = store2(party, update, iteration, epoch, **kw)
             if message is not None:
                 totals2[party] -= decode_(message, torch.zeros(n)).double()
             return message

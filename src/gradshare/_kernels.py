@@ -81,6 +81,36 @@ def count_nonfinite(x, counts):  # pragma: no cover - compiled
         counts[c] = bad
 
 
+@njit(fastmath={"reassoc"}, **_OPTS)
+def take_update(before, after, out, restore, counts):  # pragma: no cover - compiled
+    """``out = before - after`` (and ``after = before`` if ``restore``), counting per chunk the
+    non-finite elements of ``out`` into ``counts``: one pass over the three arrays."""
+    n = before.size
+    for c in prange(counts.size):
+        lo = c * CHUNK
+        hi = min(lo + CHUNK, n)
+        b = before[lo:hi]
+        a = after[lo:hi]
+        o = out[lo:hi]
+        acc = b[0] - b[0]
+        if restore:
+            for j in range(hi - lo):
+                d = b[j] - a[j]
+                o[j] = d
+                a[j] = b[j]
+                acc += d - d
+        else:
+            for j in range(hi - lo):
+                d = b[j] - a[j]
+                o[j] = d
+                acc += d - d
+        bad = 0
+        if acc != acc:
+            for j in range(hi - lo):
+                bad += not (abs(o[j]) < np.inf)
+        counts[c] = bad
+
+
 def _splat(builder, value, vty):  # pragma: no cover - runs while compiling
     i32 = ir.IntType(32)
     vec = builder.insert_element(ir.Constant(vty, ir.Undefined), value, ir.Constant(i32, 0))
@@ -812,7 +842,7 @@ def _serial_twin(kernel):  # pragma: no cover - runs at import of this module
 PARALLEL = {
     k.py_func.__name__: k
     for k in (
-        count_nonfinite, scan, undo, emit_sparse, encode_bitmap, first_bad_entry,
+        count_nonfinite, take_update, scan, undo, emit_sparse, encode_bitmap, first_bad_entry,
         decode_sparse, decode_bitmap, decode_sum,
     )
 }  # fmt: skip

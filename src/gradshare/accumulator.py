@@ -212,16 +212,25 @@ class EncodedGradientsAccumulator:
             raise ValueError(f"Expect `party` in 0..{self.num_parties - 1}, got {party}.")
 
     def store_update(
-        self, party: int, update: torch.Tensor, iteration: int, epoch: int = 0
+        self,
+        party: int,
+        update: torch.Tensor,
+        iteration: int,
+        epoch: int = 0,
+        *,
+        finite: bool = False,
     ) -> torch.Tensor | None:
         """Encode ``party``'s update, queue the message for every party, wait for the round.
+
+        ``finite=True`` tells the encoder the update was already checked to be finite
+        (:func:`gradshare.codec.take_update_`), so it is not read once more to check.
 
         Returns the message (None when nothing crossed the threshold; the dense copy in dense
         mode). Raises :class:`AccumulatorError` if another party failed, ``TimeoutError`` if
         the others did not arrive within ``timeout``.
         """
         self._check_party(party)
-        message = self._guarded(party, self._store, party, update, iteration, epoch)
+        message = self._guarded(party, self._store, party, update, iteration, epoch, finite)
         if self._bypass:
             with self._lock:
                 self._round += 1
@@ -239,7 +248,7 @@ class EncodedGradientsAccumulator:
         return message
 
     def _store(
-        self, party: int, update: torch.Tensor, iteration: int, epoch: int
+        self, party: int, update: torch.Tensor, iteration: int, epoch: int, finite: bool
     ) -> torch.Tensor | None:
         start = time.perf_counter()
         message: torch.Tensor | None
@@ -248,7 +257,7 @@ class EncodedGradientsAccumulator:
             codec.check_vector(flat, "update")
             message = flat.to(torch.float32, copy=True)
         else:
-            message = self.encoders[party].encode(update, iteration, epoch)
+            message = self.encoders[party].encode(update, iteration, epoch, finite=finite)
             self.last_stats[party] = self.encoders[party].last_stats
         with self._lock:
             cap = self.queue_size * self.num_parties
@@ -296,13 +305,15 @@ class EncodedGradientsAccumulator:
         if self.encoders is not None and not external and len(tensors) == 1:
             flat = tensors[0].detach().reshape(-1)
             scratch = _zeros(self._scratch, party, flat.numel(), flat.dtype, device)
-            codec.subtract_sum_(messages, flat, scratch, divisor=divisor, names=names)
+            codec.subtract_sum_(
+                messages, flat, scratch, divisor=divisor, names=names, checked=True
+            )  # made by this accumulator's encoders (or validated as a checkpoint loaded)
             if flat.data_ptr() != tensors[0].data_ptr():  # a non-contiguous tensor: a copy
                 tensors[0].detach().copy_(flat.view_as(tensors[0]))
         else:
             buffer = _zeros(self._buffers, party, numel, torch.float32, device)
             if self.encoders is not None:
-                codec.decode_sum_(messages, buffer, names=names)
+                codec.decode_sum_(messages, buffer, names=names, checked=True)
             else:
                 for message in messages:
                     if message.numel() != numel:
@@ -383,6 +394,12 @@ class EncodedGradientsAccumulator:
                 probe.load_state_dict(saved)
             for enc, saved in zip(self.encoders, state["encoders"], strict=True):
                 enc.load_state_dict(saved)
+        for q in state["queues"] if self.encoders is not None else []:
+            for _, p, m in q:  # applied later without another check: check them now
+                try:
+                    codec.check_message(m, int(m[1]) if m.numel() > 1 else 0)
+                except codec.MessageError as e:
+                    raise ValueError(f"Checkpoint holds an invalid message of party {p}: {e}")
         with self._lock:
             self._queues = [[(r, p, m.clone()) for r, p, m in q] for q in state["queues"]]
             self._round = int(state["round"])

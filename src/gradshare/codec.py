@@ -57,6 +57,7 @@ __all__ = [
     "message_info",
     "sparse_length",
     "subtract_sum_",
+    "take_update_",
 ]
 
 FLEXIBLE_ENCODING = 0
@@ -133,9 +134,11 @@ def check_vector(x: Any, name: str) -> None:
 
 def float32_threshold(threshold: float) -> float:
     """Return ``threshold`` rounded to float32 (as the wire stores it), or raise ValueError."""
-    with np.errstate(over="ignore"):
-        t = float(np.float32(threshold))
-    if not (np.isfinite(t) and t > 0):
+    try:
+        t = _F32.unpack(_F32.pack(threshold))[0]
+    except (OverflowError, TypeError, struct.error):
+        t = math.inf
+    if not (math.isfinite(t) and t > 0):
         raise ValueError(
             f"Expect `threshold` finite and > 0 in float32, got {threshold!r}: "
             "t is the step each sent entry moves by."
@@ -150,6 +153,7 @@ def _threshold_bits(t: float) -> int:
 
 _F32 = struct.Struct("<f")
 _I32 = struct.Struct("<i")
+_NO_WORDS = np.zeros(0, np.int32)
 
 
 _SMALL = 1 << 14
@@ -216,9 +220,56 @@ def find_nonfinite(x: torch.Tensor) -> tuple[int, int]:
         bad = int(counts.sum())
     else:
         bad = int((~torch.isfinite(x)).sum())
+    return _first_nonfinite(x, bad)
+
+
+def _first_nonfinite(x: torch.Tensor, bad: int) -> tuple[int, int]:
     if not bad:
         return 0, -1
     return bad, int(torch.nonzero(~torch.isfinite(x))[0, 0])
+
+
+def nonfinite_error(x: torch.Tensor, bad: int, first: int, consequence: str) -> ValueError:
+    """The error for an update ``x`` with ``bad`` non-finite values, the first at ``first``."""
+    return ValueError(
+        f"`update` has {bad} non-finite value(s), the first at flat index {first} "
+        f"({float(x[first])}): {consequence}. Check the loss or lower the learning rate."
+    )
+
+
+def take_update_(
+    before: torch.Tensor, after: torch.Tensor, out: torch.Tensor, *, restore: bool = False
+) -> torch.Tensor:
+    """``out = before - after``, the update an optimizer step made, checked to be finite.
+
+    With ``restore`` the parameters ``after`` are also put back to ``before``. On CPU it is
+    one pass over the three vectors (the check rides along, so the encoder need not read the
+    update again: pass ``finite=True`` to :meth:`gradshare.Encoder.encode`).
+
+    Raises:
+        ValueError: the update has non-finite values (``out`` holds it; ``after`` is
+            restored all the same when asked).
+    """
+    for name, x in (("before", before), ("after", after), ("out", out)):
+        check_vector(x, name)
+        if x.shape != before.shape or x.dtype != before.dtype or x.device != before.device:
+            raise ValueError(
+                f"Expect `{name}` like `before` ({before.dtype}, {tuple(before.shape)}, "
+                f"{before.device}), got {x.dtype}, {tuple(x.shape)}, {x.device}."
+            )
+    if _use_kernels(before) and before.numel():
+        counts = np.zeros(_k().num_chunks(before.numel()), np.int64)
+        _launch("take_update", _array(before), _array(after), _array(out), restore, counts)
+        bad = int(counts.sum())
+    else:
+        torch.sub(before, after, out=out)
+        if restore:
+            after.copy_(before)
+        bad = int((~torch.isfinite(out)).sum())
+    bad, first = _first_nonfinite(out, bad)
+    if bad:
+        raise nonfinite_error(out, bad, first, "nothing was shared")
+    return out
 
 
 # --------------------------------------------------------------------------- workspaces
@@ -693,6 +744,7 @@ def decode_sum_(
     *,
     divisor: float = 1.0,
     names: Sequence[str] | None = None,
+    checked: bool = False,
 ) -> torch.Tensor:
     """Overwrite ``out`` with the sum of the decoded ``messages`` divided by ``divisor``.
 
@@ -701,8 +753,12 @@ def decode_sum_(
     ``out``, each chunk zeroed, decoded into and divided while it is in cache. Every message
     is validated whole first: on a fault :class:`MessageError` names it (by ``names[i]``,
     e.g. ``"rank 2"``, default ``"position i"``) and ``out`` is untouched.
+
+    ``checked=True`` skips that validation: only for messages that this process's own
+    encoders made for a vector of this length, or that already passed :func:`check_message`
+    for it (a queue validates on arrival); never for messages received from elsewhere.
     """
-    return _sum_(messages, out, None, divisor, names)
+    return _sum_(messages, out, None, divisor, names, checked)
 
 
 def subtract_sum_(
@@ -712,6 +768,7 @@ def subtract_sum_(
     *,
     divisor: float = 1.0,
     names: Sequence[str] | None = None,
+    checked: bool = False,
 ) -> torch.Tensor:
     """Step ``params -= (sum of the decoded messages) / divisor`` and return ``params``.
 
@@ -719,14 +776,15 @@ def subtract_sum_(
     dividing it by ``divisor`` and subtracting it. ``scratch`` is a buffer like ``params``
     that holds zeros and is left holding zeros. On CPU, when every message is sparse, only
     the elements the messages name are touched, so a step costs O(entries), not O(N).
-    Messages are validated whole first; on a fault ``params`` and ``scratch`` are untouched.
+    Messages are validated whole first (unless ``checked``, as in :func:`decode_sum_`); on a
+    fault ``params`` and ``scratch`` are untouched.
     """
     if scratch.shape != params.shape or scratch.dtype != params.dtype:
         raise ValueError(
             f"Expect `scratch` like `params` ({params.dtype}, {tuple(params.shape)}), got "
             f"{scratch.dtype}, {tuple(scratch.shape)}."
         )
-    return _sum_(messages, params, scratch, divisor, names)
+    return _sum_(messages, params, scratch, divisor, names, checked)
 
 
 def _sum_(
@@ -735,6 +793,7 @@ def _sum_(
     scratch: torch.Tensor | None,
     divisor: float,
     names: Sequence[str] | None,
+    checked: bool,
 ) -> torch.Tensor:
     check_vector(target, "target")
     if not (isinstance(divisor, (int, float)) and math.isfinite(divisor) and divisor > 0):
@@ -743,6 +802,15 @@ def _sum_(
     present: list[tuple[torch.Tensor, int, float]] = []
     for i, m in enumerate(messages):
         if m is None:
+            continue
+        if checked:  # made here for a vector of this length: only that is confirmed
+            _, n, bits, fmt = m[:HEADER_WORDS].tolist()
+            if n != numel:
+                raise MessageError(
+                    f"Message at position {i} encodes N = {n} elements, but the target has "
+                    f"{numel}: it was made for another vector."
+                )
+            present.append((m, fmt, float(_F32.unpack(_I32.pack(bits))[0])))
             continue
         try:
             if isinstance(m, torch.Tensor) and m.device != target.device:
@@ -756,7 +824,10 @@ def _sum_(
         lengths = np.array([m.numel() for m, _, _ in present], np.int64)
         starts = np.zeros(len(present), np.int64)
         np.cumsum(lengths[:-1], out=starts[1:])
-        flat = torch.cat([m for m, _, _ in present]).numpy() if present else np.zeros(0, np.int32)
+        if len(present) == 1:
+            flat = present[0][0].numpy()
+        else:
+            flat = torch.cat([m for m, _, _ in present]).numpy() if present else _NO_WORDS
         dtype = _array(target).dtype
         ts = np.array([t for _, _, t in present], dtype)
         exact = math.frexp(divisor)[0] == 0.5  # a power of two: 1/divisor is exact

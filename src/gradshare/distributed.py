@@ -178,12 +178,10 @@ class SharedOptimizer(torch.optim.Optimizer):
         try:
             with torch.enable_grad():
                 loss = self.optim.step(closure)
-            update = torch.sub(before, _flat_params(params, self._update), out=self._update)
+            update = codec.take_update_(before, _flat_params(params, self._update), self._update)
             if self.encoder is not None:
-                message = self.encoder.encode(update, self.iteration)
+                message = self.encoder.encode(update, self.iteration, finite=True)
                 self.last_stats = self.encoder.last_stats
-            else:
-                codec.check_vector(update, "update")
         except Exception as e:  # tell the other ranks before raising here
             failure = e
         try:

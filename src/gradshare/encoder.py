@@ -127,7 +127,9 @@ class Encoder:
             self._staging = torch.empty_like(self.residual)
         return self._staging.copy_(flat)
 
-    def encode(self, update: torch.Tensor, iteration: int, epoch: int = 0) -> torch.Tensor | None:
+    def encode(
+        self, update: torch.Tensor, iteration: int, epoch: int = 0, *, finite: bool = False
+    ) -> torch.Tensor | None:
         """Add ``update`` into the residual and return this step's message (or None).
 
         Args:
@@ -135,6 +137,9 @@ class Encoder:
                 call fixes that size and the device.
             iteration: the step number (drives the threshold algorithm and clipping frequency).
             epoch: the epoch number, passed through to the algorithms.
+            finite: the caller already checked that ``update`` is finite
+                (:func:`gradshare.codec.take_update_` does while computing it), so the
+                encoder does not read it once more to check.
 
         Returns:
             An int32 message tensor, or None when fewer than 2 elements crossed the threshold.
@@ -144,7 +149,8 @@ class Encoder:
                 the wrong number of elements.
         """
         u = self._prepare(update)
-        _check_finite(u)
+        if not (finite and u.dtype == update.dtype):  # a cast to float32 may overflow
+            _check_finite(u)
         residual = self.residual
         assert residual is not None
         n = residual.numel()
@@ -226,8 +232,4 @@ def _check_finite(u: torch.Tensor) -> None:
     """Raise ValueError naming how many values of ``u`` are non-finite and where the first is."""
     bad, first = codec.find_nonfinite(u)
     if bad:
-        raise ValueError(
-            f"`update` has {bad} non-finite value(s), the first at flat index {first} "
-            f"({float(u[first])}): nothing was added to the residual. Check the loss or lower "
-            "the learning rate."
-        )
+        raise codec.nonfinite_error(u, bad, first, "nothing was added to the residual")

@@ -233,12 +233,11 @@ class ParallelWrapper:
         loss = self.loss_fn(replica(inputs.to(device)), targets.to(device))
         loss.backward()
         opt.step()
-        with torch.no_grad():
-            update = torch.sub(before, flat, out=self._update[w])  # what the step did
-            flat.copy_(before)  # exactly the parameters before the step
+        with torch.no_grad():  # what the step did, checked; the parameters put back exactly
+            update = codec.take_update_(before, flat, self._update[w], restore=True)
         compute = time.perf_counter() - start
         acc = self.accumulator
-        acc.store_update(w, update, iteration, self.epoch)
+        acc.store_update(w, update, iteration, self.epoch, finite=True)
         acc.apply_update(w, flat)
         share = time.perf_counter() - start - compute
         return _stats(
