@@ -861,6 +861,41 @@ class TestFusedSums:
         with pytest.raises(MessageError, match="position 0"):
             codec.decode_sum_([msg], torch.zeros(n + 1))
 
+    @pytest.mark.parametrize("divisor", [1e-46, 1e-45, 2.0**-140, 1e39, float("inf")])
+    @pytest.mark.parametrize("fused", ["decode_sum_", "subtract_sum_"])
+    def test_divisor_outside_float32_is_refused(self, divisor: float, fused: str) -> None:
+        """1e-46 rounds to 0 in float32 (a ZeroDivisionError from the kernel); 1e-45 and
+        2**-140 have no finite float32 reciprocal and 1e39 rounds to inf (inf or NaN sums)."""
+        msg, n = _good_sparse()
+        target, scratch = torch.randn(n), torch.zeros(n)
+        before = bits(target).clone()
+        with pytest.raises(ValueError, match="Expect `divisor` finite and > 0 as a normal float32"):
+            if fused == "decode_sum_":
+                codec.decode_sum_([msg], target, divisor=divisor)
+            else:
+                codec.subtract_sum_([msg], target, scratch, divisor=divisor)
+        assert torch.equal(bits(target), before) and not scratch.any()
+
+    def test_smallest_normal_divisor_works(self) -> None:
+        msg, n = _good_sparse()
+        out = torch.zeros(n)
+        codec.decode_sum_([msg], out, divisor=float(np.finfo(np.float32).tiny))
+        assert torch.isfinite(out).all()
+
+    @pytest.mark.parametrize("names", [["rank 0"], ["rank 0", "rank 1", "rank 2"], []])
+    def test_names_not_one_per_message_is_refused(self, names: list[str]) -> None:
+        """Too few names were an IndexError, and only when a message was bad."""
+        bad = _good_sparse()[0]
+        bad[5] = 0
+        for messages in ([_good_sparse()[0], bad], [None, None]):
+            target = torch.randn(40)
+            before = bits(target).clone()
+            with pytest.raises(ValueError, match="Expect one name per message in `names`"):
+                codec.decode_sum_(messages, target, names=names)
+            with pytest.raises(ValueError, match="one name per message"):
+                codec.subtract_sum_(messages, target, torch.zeros(40), names=names)
+            assert torch.equal(bits(target), before)
+
 
 def test_serial_kernels_equal_parallel() -> None:
     """The serial twins (used by worker threads) give the parallel kernels' results bit for

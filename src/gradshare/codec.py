@@ -777,8 +777,12 @@ def _sum_(
 ) -> torch.Tensor:
     """Check everything, then decode ``messages`` into ``target`` (see the two callers)."""
     check_vector(target, target_name)
-    if not (isinstance(divisor, (int, float)) and math.isfinite(divisor) and divisor > 0):
-        raise ValueError(f"Expect `divisor` finite and > 0, got {divisor!r}.")
+    _check_divisor(divisor)
+    if names is not None and len(names) != len(messages):
+        raise ValueError(
+            f"Expect one name per message in `names`, got {len(names)} names for "
+            f"{len(messages)} messages: a fault is reported by the name of its message."
+        )
     if scratch is not None and shares_memory(scratch, target):
         raise ValueError(
             f"Expect `scratch` and `{target_name}` in separate memory, but they share bytes: "
@@ -841,6 +845,24 @@ def _sum_(
         target.sub_(buf)
         buf.zero_()
     return target
+
+
+_F32_INFO = np.finfo(np.float32)
+
+
+def _check_divisor(divisor: Any) -> None:
+    """Raise ValueError unless ``divisor`` is a normal float32 > 0 (so is its reciprocal)."""
+    ok = isinstance(divisor, (int, float))
+    if ok:
+        with np.errstate(over="ignore"):
+            d = float(np.float32(float(divisor))) if abs(divisor) < 2**1000 else math.inf
+        ok = float(_F32_INFO.tiny) <= d <= float(_F32_INFO.max)
+    if not ok:
+        raise ValueError(
+            f"Expect `divisor` finite and > 0 as a normal float32 (between 1.2e-38 and "
+            f"3.4e38), got {divisor!r}: the sum is divided by it in float32, where a smaller "
+            "value rounds to 0 or has no finite reciprocal and a larger one rounds to inf."
+        )
 
 
 def _apply_sparse(entries: torch.Tensor, t: float, target: torch.Tensor) -> None:
