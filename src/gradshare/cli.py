@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import runpy
 import sys
 import time
@@ -46,8 +47,12 @@ def parse_clip(spec: str | None) -> ResidualPostProcessor | None:
 
 def inspect(args: argparse.Namespace) -> None:
     """Encode a stream of normal(0, std) updates and print what each step sends."""
-    if args.numel < 1 or args.steps < 1 or not args.std > 0:
-        raise UsageError("--numel, --steps and --std must be positive")
+    if args.numel < 1 or args.steps < 1:
+        raise UsageError(f"--numel and --steps must be >= 1, got {args.numel} and {args.steps}")
+    if not (math.isfinite(args.std) and args.std > 0):
+        raise UsageError(
+            f"--std must be finite and > 0, got {args.std!r}: it scales every synthetic update"
+        )
     torch.manual_seed(args.seed)
     enc = Encoder(parse_threshold(args.threshold), parse_clip(args.clip))
     print(

@@ -9,6 +9,7 @@ worker is recorded; :mod:`gradshare.report` writes the files and the plot.
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import tempfile
@@ -106,8 +107,11 @@ class TrainConfig:
             raise ValueError(
                 f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}"
             )
-        if not self.lr > 0:
-            raise ValueError(f"--lr must be > 0, got {self.lr!r}")
+        if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(
+                f"--lr must be finite and > 0, got {self.lr!r}: it scales every step, and an "
+                "infinite one makes the first update non-finite"
+            )
         for option, parse, value in (("--threshold", parse_threshold, self.threshold),
                                      ("--clip", parse_clip, self.clip)):  # fmt: skip
             try:
