@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import csv
 import json
+import sys
 from pathlib import Path
 
 import pytest
 
+from gradshare import cli
 from gradshare.cli import main
 from gradshare.report import COLUMNS
 
 QUIET = ["--no-progress"]
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _summary(out: Path) -> dict:
@@ -95,6 +98,36 @@ def test_bad_option_exits_2_with_one_line(
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and says in err and "Traceback" not in err, err
+
+
+def test_bench_runs_the_checkouts_script_not_the_current_folders(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`gradshare bench codec` ran ./bench/codec.py first, so any file there was executed."""
+    hostile = tmp_path / "bench" / "codec.py"
+    hostile.parent.mkdir()
+    hostile.write_text("raise SystemExit('hostile bench/codec.py ran')\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    ran: list[tuple[Path, list[str]]] = []
+    monkeypatch.setattr(
+        cli.runpy, "run_path", lambda path, run_name: ran.append((Path(path), sys.argv[1:]))
+    )
+    assert main(["bench", "codec", "--sizes", "1000"]) == 0
+    assert ran == [(ROOT / "bench" / "codec.py", ["--sizes", "1000"])]
+
+
+def test_bench_without_a_checkout_exits_2(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An installed wheel has no bench/ beside it: say so in one line, run nothing."""
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "bench" / "codec.py").write_text("raise SystemExit('ran')\n")
+    monkeypatch.setattr(cli, "_checkout_root", lambda: tmp_path / "lib")
+    monkeypatch.chdir(tmp_path)
+    assert main(["bench", "codec"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "installed wheel" in err and "bench/codec.py not found" in err
 
 
 def test_bench_unknown_name_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
