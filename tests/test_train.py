@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import csv
 import json
+import pickle
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-from gradshare import cli
+from gradshare import cli, train
 from gradshare.cli import main
 from gradshare.report import COLUMNS
+
+from toys import Hostile
 
 QUIET = ["--no-progress"]
 ROOT = Path(__file__).resolve().parents[1]
@@ -98,6 +102,25 @@ def test_bad_option_exits_2_with_one_line(
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and says in err and "Traceback" not in err, err
+
+
+def test_distributed_results_load_weights_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The ranks' result files were read with torch.load's full unpickler whenever it was the
+    default (TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD), so a planted file ran code."""
+    ran = tmp_path / "ran"
+
+    def spawn(fn: object, args: tuple, nprocs: int) -> None:  # the ranks' files, tampered
+        for rank in range(nprocs):
+            torch.save({"epochs": [], "rows": [Hostile(ran)]}, Path(args[-1]) / f"rank{rank}.pt")
+
+    monkeypatch.setattr(torch.multiprocessing, "spawn", spawn)
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+    config = train.TrainConfig(mode="distributed", workers=2, epochs=1)
+    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+        train.run_one(config, "gradshare", progress=False)
+    assert not ran.exists()
 
 
 def test_bench_runs_the_checkouts_script_not_the_current_folders(

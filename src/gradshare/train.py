@@ -285,7 +285,10 @@ def _run_distributed(config: TrainConfig, name: str, split: Split, bar: Any) -> 
 
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_rank_main, args=(config, name, _free_port(), tmp), nprocs=config.workers)
-        parts = [torch.load(Path(tmp) / f"rank{r}.pt") for r in range(config.workers)]
+        # each rank saved plain dicts, lists, strings and numbers: nothing else may load
+        parts = [
+            torch.load(Path(tmp) / f"rank{r}.pt", weights_only=True) for r in range(config.workers)
+        ]
     result = RunResult(name, epochs=parts[0]["epochs"])
     result.rows = sorted(
         (r for p in parts for r in p["rows"]), key=lambda r: (r["step"], r["worker"])
