@@ -55,6 +55,11 @@ def save(ckpt: Path, step: int, rank: int, model, opt: SharedOptimizer) -> None:
     tmp.rename(d / f"rank{rank}.pt")  # atomic: a rank file exists only when complete
 
 
+def load(ckpt: Path, step: int, rank: int) -> dict:
+    """What :func:`save` wrote: tensors, dicts, lists and numbers only (``weights_only``)."""
+    return torch.load(ckpt / f"step{step:06d}" / f"rank{rank}.pt", weights_only=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=5)
@@ -83,7 +88,7 @@ def main() -> None:
     if args.checkpoint_dir is not None:
         start = latest_complete(args.checkpoint_dir, world)
         if start:
-            state = torch.load(args.checkpoint_dir / f"step{start:06d}" / f"rank{rank}.pt")
+            state = load(args.checkpoint_dir, start, rank)
             model.load_state_dict(state["model"])
             opt.load_state_dict(state["optimizer"])
             if rank == 0:

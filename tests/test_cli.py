@@ -22,6 +22,10 @@ def test_inspect_prints_each_step(capsys: pytest.CaptureFixture[str]) -> None:
         ["inspect", "--threshold", "fixed:-1"],
         ["inspect", "--clip", "0.5:5"],
         ["inspect", "--numel", "-3"],
+        ["inspect", "--std", "0"],
+        ["inspect", "--std", "inf"],
+        ["inspect", "--std=-inf"],
+        ["inspect", "--std", "nan"],
     ],
 )
 def test_bad_values_exit_2_with_one_line(

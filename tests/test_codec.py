@@ -676,6 +676,110 @@ def test_decode_rejects_other_device_message() -> None:
         decode_(msg.to("meta"), torch.zeros(n))
 
 
+def _plant(host: torch.Tensor, at: int, message: torch.Tensor) -> torch.Tensor:
+    """Copy ``message`` into ``host``'s bytes from element ``at`` on; return that int32 view."""
+    start = at * host.element_size()
+    view = host.view(torch.uint8)[start : start + 4 * message.numel()].view(torch.int32)
+    view.copy_(message)
+    return view
+
+
+def _sparse_of(entries: list[int], n: int, t: float = 0.5) -> torch.Tensor:
+    bits32 = int(torch.tensor([t]).view(torch.int32))
+    return torch.tensor([len(entries), n, bits32, FLEXIBLE_ENCODING, *entries], dtype=torch.int32)
+
+
+class TestMessageInTargetMemory:
+    """A message that lies in the memory it decodes into is refused before anything is
+    written: decoding reads entries that its own writes change, past the checks (the numba
+    kernels do not check bounds again, so that was an out-of-bounds write)."""
+
+    @staticmethod
+    def _refused(call: Callable[[], object], *buffers: torch.Tensor) -> None:
+        before = [bits(b).clone() for b in buffers]
+        with pytest.raises(MessageError, match=r"separate memory.*Clone the message first"):
+            call()
+        for b, old in zip(buffers, before, strict=True):
+            assert torch.equal(bits(b), old)
+
+    def test_self_rewriting_message_is_refused(self) -> None:
+        """The report's repro: decoding into t[15] turned entry 17 into 1056964608, a write
+        far past the end (a segfault)."""
+        t = torch.zeros(100)
+        m = t[10:20].view(torch.int32)
+        m[:] = _sparse_of([16, 17, 18, 19, 20, 21], 100)
+        self._refused(lambda: decode_(m, t), t)
+
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])
+    @pytest.mark.parametrize("entries", [10, codec._SMALL + 10])
+    def test_sparse_inside_target(self, dtype: torch.dtype, entries: int) -> None:
+        """The small fast path, the large path and the torch path (float16) all refuse."""
+        n = 4 * entries + 16
+        t = torch.zeros(n, dtype=dtype)
+        m = _plant(t, entries + 8, _sparse_of(list(range(1, entries + 1)), n))
+        self._refused(lambda: decode_(m, t), t)
+        with torch_path():
+            self._refused(lambda: decode_(m, t), t)
+
+    def test_bitmap_inside_target(self) -> None:
+        t = torch.zeros(64)
+        bitmap = torch.tensor([64, 64, 1056964608, BITMAP_ENCODING, 1, 0, 0, 0, 0])
+        m = _plant(t, 40, bitmap.to(torch.int32))
+        self._refused(lambda: decode_(m, t), t)
+        with torch_path():
+            self._refused(lambda: decode_(m, t), t)
+
+    def test_one_byte_of_overlap_is_enough(self) -> None:
+        host = torch.zeros(64, dtype=torch.float64)
+        t = host[:32]
+        m = host.view(torch.int32)[63:69]  # its first word is the last half of t[31]
+        m[:] = _sparse_of([1, 2], 32)
+        self._refused(lambda: decode_(m, t), host)
+
+    def test_adjacent_memory_decodes(self) -> None:
+        """Sharing a storage is fine as long as the bytes do not overlap."""
+        host = torch.zeros(100)
+        msg = _sparse_of([1, -3], 50)
+        m = _plant(host, 50, msg)
+        decode_(m, host[:50])
+        host[50:] = 0.0
+        m = _plant(host, 44, msg)
+        decode_(m, host[50:])
+        assert host[[0, 2, 50, 52]].tolist() == [0.5, -0.5, 0.5, -0.5]
+        assert torch.equal(m, msg)
+
+    @pytest.mark.parametrize("path", [contextlib.nullcontext, torch_path])
+    def test_fused_sums_refuse_messages_in_out_params_or_scratch(
+        self, path: Callable[[], contextlib.AbstractContextManager[None]]
+    ) -> None:
+        n = 64
+        good = _sparse_of([1, 2, 5], n)
+        with path():
+            out = torch.zeros(n)
+            m = _plant(out, 40, good)
+            self._refused(lambda: codec.decode_sum_([good, m], out, names=["a", "b"]), out)
+            params, scratch = torch.ones(n), torch.zeros(n)
+            m = _plant(params, 40, good)
+            self._refused(lambda: codec.subtract_sum_([m], params, scratch), params, scratch)
+            params = torch.ones(n)
+            m = _plant(scratch, 40, good)
+            self._refused(lambda: codec.subtract_sum_([m], params, scratch), params, scratch)
+
+    @pytest.mark.parametrize("path", [contextlib.nullcontext, torch_path])
+    def test_scratch_sharing_params_is_refused(
+        self, path: Callable[[], contextlib.AbstractContextManager[None]]
+    ) -> None:
+        n = 64
+        host = torch.zeros(n + 8)
+        params, scratch = host[:n], host[8:]
+        host[:] = 1.0
+        host[8:] = 0.0
+        before = bits(host).clone()
+        with path(), pytest.raises(ValueError, match="`scratch` and `params` in separate"):
+            codec.subtract_sum_([_sparse_of([1, 2], n)], params, scratch)
+        assert torch.equal(bits(host), before)
+
+
 def _mixed_messages(n: int, kinds: str, dtype: torch.dtype, seed: int) -> list[torch.Tensor | None]:
     """One message per letter of ``kinds`` (s: sparse, b: bitmap, -: None) for N = ``n``."""
     g = torch.Generator().manual_seed(seed)
@@ -756,6 +860,41 @@ class TestFusedSums:
             codec.subtract_sum_([msg], torch.zeros(n), torch.zeros(n, dtype=torch.float64))
         with pytest.raises(MessageError, match="position 0"):
             codec.decode_sum_([msg], torch.zeros(n + 1))
+
+    @pytest.mark.parametrize("divisor", [1e-46, 1e-45, 2.0**-140, 1e39, float("inf")])
+    @pytest.mark.parametrize("fused", ["decode_sum_", "subtract_sum_"])
+    def test_divisor_outside_float32_is_refused(self, divisor: float, fused: str) -> None:
+        """1e-46 rounds to 0 in float32 (a ZeroDivisionError from the kernel); 1e-45 and
+        2**-140 have no finite float32 reciprocal and 1e39 rounds to inf (inf or NaN sums)."""
+        msg, n = _good_sparse()
+        target, scratch = torch.randn(n), torch.zeros(n)
+        before = bits(target).clone()
+        with pytest.raises(ValueError, match="Expect `divisor` finite and > 0 as a normal float32"):
+            if fused == "decode_sum_":
+                codec.decode_sum_([msg], target, divisor=divisor)
+            else:
+                codec.subtract_sum_([msg], target, scratch, divisor=divisor)
+        assert torch.equal(bits(target), before) and not scratch.any()
+
+    def test_smallest_normal_divisor_works(self) -> None:
+        msg, n = _good_sparse()
+        out = torch.zeros(n)
+        codec.decode_sum_([msg], out, divisor=float(np.finfo(np.float32).tiny))
+        assert torch.isfinite(out).all()
+
+    @pytest.mark.parametrize("names", [["rank 0"], ["rank 0", "rank 1", "rank 2"], []])
+    def test_names_not_one_per_message_is_refused(self, names: list[str]) -> None:
+        """Too few names were an IndexError, and only when a message was bad."""
+        bad = _good_sparse()[0]
+        bad[5] = 0
+        for messages in ([_good_sparse()[0], bad], [None, None]):
+            target = torch.randn(40)
+            before = bits(target).clone()
+            with pytest.raises(ValueError, match="Expect one name per message in `names`"):
+                codec.decode_sum_(messages, target, names=names)
+            with pytest.raises(ValueError, match="one name per message"):
+                codec.subtract_sum_(messages, target, torch.zeros(40), names=names)
+            assert torch.equal(bits(target), before)
 
 
 def test_serial_kernels_equal_parallel() -> None:

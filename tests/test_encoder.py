@@ -166,6 +166,18 @@ class TestInput:
         with pytest.raises(ValueError, match="4 elements"):
             enc.encode(torch.zeros(5), 1)
 
+    @pytest.mark.parametrize("shape", [(0,), (3, 0)])
+    def test_empty_update_is_refused_and_changes_nothing(self, shape: tuple[int, ...]) -> None:
+        """An update with no elements was a ZeroDivisionError (density = entries / 0)."""
+        enc = Encoder(FixedThreshold(0.5))
+        with pytest.raises(ValueError, match="`update` to have at least 1 element"):
+            enc.encode(torch.zeros(shape), 0)
+        assert enc.residual is None and enc.last_stats is None
+        enc.encode(torch.full((4,), 0.25), 0)
+        with pytest.raises(ValueError, match="at least 1 element"):
+            enc.encode(torch.zeros(shape), 1)
+        assert enc.residual is not None and enc.residual.tolist() == [0.25] * 4
+
     @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
     def test_any_dtype_and_shape_gives_float32_residual(self, dtype: torch.dtype) -> None:
         enc = Encoder(FixedThreshold(0.5))

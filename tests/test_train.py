@@ -4,14 +4,21 @@ from __future__ import annotations
 
 import csv
 import json
+import pickle
+import sys
 from pathlib import Path
 
 import pytest
+import torch
 
+from gradshare import cli, train
 from gradshare.cli import main
 from gradshare.report import COLUMNS
 
+from toys import Hostile
+
 QUIET = ["--no-progress"]
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _summary(out: Path) -> dict:
@@ -79,6 +86,9 @@ class TestTrain:
         (["--mode", "cluster"], "--mode"),
         (["--optimizer", "lion"], "--optimizer"),
         (["--lr", "0"], "--lr"),
+        (["--lr", "inf"], "--lr must be finite"),
+        (["--lr", "nan"], "--lr"),
+        (["--lr", "-inf"], "--lr"),
         (["--epochs", "0"], "--epochs"),
         (["--device", "tpu"], "--device"),
         (["--out", "/etc/hostname/run"], "cannot write to --out"),
@@ -92,6 +102,55 @@ def test_bad_option_exits_2_with_one_line(
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and says in err and "Traceback" not in err, err
+
+
+def test_distributed_results_load_weights_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The ranks' result files were read with torch.load's full unpickler whenever it was the
+    default (TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD), so a planted file ran code."""
+    ran = tmp_path / "ran"
+
+    def spawn(fn: object, args: tuple, nprocs: int) -> None:  # the ranks' files, tampered
+        for rank in range(nprocs):
+            torch.save({"epochs": [], "rows": [Hostile(ran)]}, Path(args[-1]) / f"rank{rank}.pt")
+
+    monkeypatch.setattr(torch.multiprocessing, "spawn", spawn)
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+    config = train.TrainConfig(mode="distributed", workers=2, epochs=1)
+    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+        train.run_one(config, "gradshare", progress=False)
+    assert not ran.exists()
+
+
+def test_bench_runs_the_checkouts_script_not_the_current_folders(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`gradshare bench codec` ran ./bench/codec.py first, so any file there was executed."""
+    hostile = tmp_path / "bench" / "codec.py"
+    hostile.parent.mkdir()
+    hostile.write_text("raise SystemExit('hostile bench/codec.py ran')\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    ran: list[tuple[Path, list[str]]] = []
+    monkeypatch.setattr(
+        cli.runpy, "run_path", lambda path, run_name: ran.append((Path(path), sys.argv[1:]))
+    )
+    assert main(["bench", "codec", "--sizes", "1000"]) == 0
+    assert ran == [(ROOT / "bench" / "codec.py", ["--sizes", "1000"])]
+
+
+def test_bench_without_a_checkout_exits_2(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An installed wheel has no bench/ beside it: say so in one line, run nothing."""
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "bench" / "codec.py").write_text("raise SystemExit('ran')\n")
+    monkeypatch.setattr(cli, "_checkout_root", lambda: tmp_path / "lib")
+    monkeypatch.chdir(tmp_path)
+    assert main(["bench", "codec"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "installed wheel" in err and "bench/codec.py not found" in err
 
 
 def test_bench_unknown_name_exits_2(capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,6 +1,9 @@
-"""Small deterministic data and models shared by the training tests."""
+"""Small deterministic data and models shared by the training tests, and a hostile pickle."""
 
 from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -26,3 +29,16 @@ def toy_model(seed: int = 0) -> nn.Module:
 def flat(model: nn.Module) -> torch.Tensor:
     """Every parameter, flattened and concatenated."""
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+class Hostile:
+    """Unpickling it creates the file ``path``: a stand-in for the code a tampered file runs.
+
+    ``torch.load(..., weights_only=True)`` refuses it (``pickle.UnpicklingError``).
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (open, (str(self.path), "w"))

@@ -399,7 +399,9 @@ class EncodedGradientsAccumulator:
                 try:
                     codec.check_message(m, int(m[1]) if m.numel() > 1 else 0)
                 except codec.MessageError as e:
-                    raise ValueError(f"Checkpoint holds an invalid message of party {p}: {e}")
+                    raise ValueError(
+                        f"Checkpoint holds an invalid message of party {p}: {e}"
+                    ) from None
         with self._lock:
             self._queues = [[(r, p, m.clone()) for r, p, m in q] for q in state["queues"]]
             self._round = int(state["round"])

@@ -2,13 +2,15 @@
 
 * ``gradshare train``: the same model trained dense and with gradshare, side by side, with a
   table, metrics.csv, summary.json and report.png;
-* ``gradshare bench codec|parallel|exchange|convergence``: the benchmarks under ``bench/``;
+* ``gradshare bench codec|parallel|exchange|convergence``: the benchmarks under ``bench/`` of
+  the checkout that gradshare runs from (they do not ship in a wheel);
 * ``gradshare inspect``: what the encoder sends for a synthetic update stream, step by step.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import runpy
 import sys
 import time
@@ -18,6 +20,7 @@ from typing import NoReturn
 
 import torch
 
+import gradshare
 from gradshare import train
 from gradshare.encoder import Encoder
 from gradshare.residual import ResidualPostProcessor
@@ -46,8 +49,12 @@ def parse_clip(spec: str | None) -> ResidualPostProcessor | None:
 
 def inspect(args: argparse.Namespace) -> None:
     """Encode a stream of normal(0, std) updates and print what each step sends."""
-    if args.numel < 1 or args.steps < 1 or not args.std > 0:
-        raise UsageError("--numel, --steps and --std must be positive")
+    if args.numel < 1 or args.steps < 1:
+        raise UsageError(f"--numel and --steps must be >= 1, got {args.numel} and {args.steps}")
+    if not (math.isfinite(args.std) and args.std > 0):
+        raise UsageError(
+            f"--std must be finite and > 0, got {args.std!r}: it scales every synthetic update"
+        )
     torch.manual_seed(args.seed)
     enc = Encoder(parse_threshold(args.threshold), parse_clip(args.clip))
     print(
@@ -121,15 +128,31 @@ def _check_writable(out: Path) -> None:
 BENCHES = ("codec", "parallel", "exchange", "convergence")
 
 
-def bench_command(args: argparse.Namespace) -> None:
-    """Run one of the benchmark scripts under bench/ with the remaining arguments."""
-    candidates = [Path.cwd() / "bench", Path(__file__).resolve().parents[2] / "bench"]
-    folder = next((c for c in candidates if (c / f"{args.name}.py").exists()), None)
-    if folder is None:
+def _checkout_root() -> Path:
+    """The folder above ``src/gradshare``: the checkout when gradshare runs from its sources."""
+    return Path(gradshare.__file__).resolve().parents[2]
+
+
+def bench_script(name: str) -> Path:
+    """``bench/<name>.py`` of the checkout that this gradshare's own sources belong to.
+
+    Never a ``bench/`` of the current folder: whatever file lies there would be executed.
+    """
+    root = _checkout_root()
+    script = root / "bench" / f"{name}.py"
+    if not ((root / "pyproject.toml").is_file() and script.is_file()):
         raise UsageError(
-            f"bench/{args.name}.py not found: run from a gradshare checkout (git clone)"
+            f"bench/{name}.py not found next to this gradshare's sources (in {root}): the "
+            "benchmarks ship with the source checkout, not with an installed wheel; clone the "
+            "repository and install it with `pip install -e .`"
         )
-    sys.argv = [str(folder / f"{args.name}.py"), *args.rest]
+    return script
+
+
+def bench_command(args: argparse.Namespace) -> None:
+    """Run one of the benchmark scripts under the checkout's bench/ with the remaining arguments."""
+    script = bench_script(args.name)
+    sys.argv = [str(script), *args.rest]
     runpy.run_path(sys.argv[0], run_name="__main__")
 
 

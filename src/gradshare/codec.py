@@ -132,6 +132,42 @@ def check_vector(x: Any, name: str) -> None:
         )
 
 
+def _byte_span(x: torch.Tensor) -> tuple[int, int]:
+    """The bytes ``[lo, hi)`` that ``x``'s elements occupy (empty when it has none)."""
+    numel = x.numel()
+    if numel == 0:
+        return 0, 0
+    if x.is_contiguous():  # the common case, kept cheap: decode_ checks every message
+        start = x.data_ptr()
+        return start, start + numel * x.element_size()
+    lo = hi = 0
+    for size, stride in zip(x.shape, x.stride(), strict=True):
+        reach = (size - 1) * stride
+        lo, hi = lo + min(reach, 0), hi + max(reach, 0)
+    size = x.element_size()
+    start = x.data_ptr()
+    return start + lo * size, start + (hi + 1) * size
+
+
+def shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the bytes of ``a``'s elements and ``b``'s overlap (same device only)."""
+    if a.device != b.device:
+        return False
+    a_lo, a_hi = _byte_span(a)
+    b_lo, b_hi = _byte_span(b)
+    return a_lo < b_hi and b_lo < a_hi
+
+
+def check_no_overlap(message: Any, target: torch.Tensor, what: str, name: str) -> None:
+    """Raise MessageError if ``message`` (described by ``what``) lies in ``target``'s memory."""
+    if isinstance(message, torch.Tensor) and shares_memory(message, target):
+        raise MessageError(
+            f"Expect {what} and `{name}` in separate memory, but they share bytes: decoding "
+            f"writes `{name}` while it reads the message, so entries already checked would "
+            "change under it. Clone the message first (`message.clone()`)."
+        )
+
+
 def float32_threshold(threshold: float) -> float:
     """Return ``threshold`` rounded to float32 (as the wire stores it), or raise ValueError."""
     try:
@@ -676,8 +712,9 @@ def _check_bitmap_tail(words: torch.Tensor, numel: int) -> None:
 def check_message(message: torch.Tensor, numel: int) -> None:
     """Validate ``message`` whole for a vector of ``numel`` elements, writing nothing.
 
-    Runs every check :func:`decode_` runs before it writes, so a message that passes here
-    decodes without error. Queues that hold messages for later (``IndexedTail``) call it on
+    Runs every check of the message itself that :func:`decode_` runs before it writes, so a
+    message that passes here decodes without error into any vector of ``numel`` elements
+    whose memory it does not share. Queues that hold messages for later (``IndexedTail``) call it on
     arrival, so that a bad message is refused at the door rather than half-applied later.
 
     Raises:
@@ -711,10 +748,13 @@ def decode_(message: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     The message is validated whole before any element is written: known format id, header
     consistent with the length, N equal to ``target``'s length, threshold finite and > 0, every
     sparse entry in ±1..±N, non-zero and strictly ascending, no bitmap bit past N. Any fault
-    raises :class:`MessageError` naming it and ``target`` is left bit-for-bit unchanged.
+    raises :class:`MessageError` naming it and ``target`` is left bit-for-bit unchanged. So is
+    a message that shares bytes with ``target`` (a view of its memory): its writes would
+    change the entries being read; clone such a message first.
     Decoding never zeroes ``target``: decoding a message twice adds it twice.
     """
     check_vector(target, "target")
+    check_no_overlap(message, target, "the message", "target")
     if (
         type(message) is torch.Tensor
         and message.dtype == torch.int32
@@ -752,13 +792,14 @@ def decode_sum_(
     (None entries are skipped) and dividing by ``divisor``; on CPU it is one pass over
     ``out``, each chunk zeroed, decoded into and divided while it is in cache. Every message
     is validated whole first: on a fault :class:`MessageError` names it (by ``names[i]``,
-    e.g. ``"rank 2"``, default ``"position i"``) and ``out`` is untouched.
+    e.g. ``"rank 2"``, default ``"position i"``) and ``out`` is untouched; so it is when a
+    message shares bytes with ``out``.
 
-    ``checked=True`` skips that validation: only for messages that this process's own
-    encoders made for a vector of this length, or that already passed :func:`check_message`
-    for it (a queue validates on arrival); never for messages received from elsewhere.
+    ``checked=True`` skips that validation (not the length and overlap checks): only for
+    messages that this process's own encoders made for a vector of this length, or that
+    already passed :func:`check_message` for it; never for messages received from elsewhere.
     """
-    return _sum_(messages, out, None, divisor, names, checked)
+    return _sum_(messages, out, "out", None, divisor, names, checked)
 
 
 def subtract_sum_(
@@ -777,37 +818,54 @@ def subtract_sum_(
     that holds zeros and is left holding zeros. On CPU, when every message is sparse, only
     the elements the messages name are touched, so a step costs O(entries), not O(N).
     Messages are validated whole first (unless ``checked``, as in :func:`decode_sum_`); on a
-    fault ``params`` and ``scratch`` are untouched.
+    fault ``params`` and ``scratch`` are untouched, and so they are when a message shares
+    bytes with either or ``scratch`` with ``params``.
     """
     if scratch.shape != params.shape or scratch.dtype != params.dtype:
         raise ValueError(
             f"Expect `scratch` like `params` ({params.dtype}, {tuple(params.shape)}), got "
             f"{scratch.dtype}, {tuple(scratch.shape)}."
         )
-    return _sum_(messages, params, scratch, divisor, names, checked)
+    return _sum_(messages, params, "params", scratch, divisor, names, checked)
 
 
 def _sum_(
     messages: Sequence[torch.Tensor | None],
     target: torch.Tensor,
+    target_name: str,
     scratch: torch.Tensor | None,
     divisor: float,
     names: Sequence[str] | None,
     checked: bool,
 ) -> torch.Tensor:
-    check_vector(target, "target")
-    if not (isinstance(divisor, (int, float)) and math.isfinite(divisor) and divisor > 0):
-        raise ValueError(f"Expect `divisor` finite and > 0, got {divisor!r}.")
+    """Check everything, then decode ``messages`` into ``target`` (see the two callers)."""
+    check_vector(target, target_name)
+    _check_divisor(divisor)
+    if names is not None and len(names) != len(messages):
+        raise ValueError(
+            f"Expect one name per message in `names`, got {len(names)} names for "
+            f"{len(messages)} messages: a fault is reported by the name of its message."
+        )
+    if scratch is not None and shares_memory(scratch, target):
+        raise ValueError(
+            f"Expect `scratch` and `{target_name}` in separate memory, but they share bytes: "
+            f"the sum is built in `scratch` while `{target_name}` is written. Pass a buffer of "
+            f"its own, e.g. `torch.zeros_like({target_name})`."
+        )
     numel = target.numel()
     present: list[tuple[torch.Tensor, int, float]] = []
     for i, m in enumerate(messages):
         if m is None:
             continue
+        name = f"position {i}" if names is None else names[i]
+        check_no_overlap(m, target, f"the message from {name}", target_name)
+        if scratch is not None:
+            check_no_overlap(m, scratch, f"the message from {name}", "scratch")
         if checked:  # made here for a vector of this length: only that is confirmed
             _, n, bits, fmt = m[:HEADER_WORDS].tolist()
             if n != numel:
                 raise MessageError(
-                    f"Message at position {i} encodes N = {n} elements, but the target has "
+                    f"Message from {name} encodes N = {n} elements, but the target has "
                     f"{numel}: it was made for another vector."
                 )
             present.append((m, fmt, float(_F32.unpack(_I32.pack(bits))[0])))
@@ -817,7 +875,6 @@ def _sum_(
                 raise MessageError(f"it is on {m.device}, the target on {target.device}")
             fmt, t = _validate(m, numel)
         except MessageError as e:
-            name = f"position {i}" if names is None else names[i]
             raise MessageError(f"Message from {name} is invalid: {e}") from None
         present.append((m, fmt, t))
     if _use_kernels(target):
@@ -863,6 +920,24 @@ def _sum_(
         target.sub_(buf)
         buf.zero_()
     return target
+
+
+_F32_INFO = np.finfo(np.float32)
+
+
+def _check_divisor(divisor: Any) -> None:
+    """Raise ValueError unless ``divisor`` is a normal float32 > 0 (so is its reciprocal)."""
+    ok = isinstance(divisor, (int, float))
+    if ok:
+        with np.errstate(over="ignore"):
+            d = float(np.float32(float(divisor))) if abs(divisor) < 2**1000 else math.inf
+        ok = float(_F32_INFO.tiny) <= d <= float(_F32_INFO.max)
+    if not ok:
+        raise ValueError(
+            f"Expect `divisor` finite and > 0 as a normal float32 (between 1.2e-38 and "
+            f"3.4e38), got {divisor!r}: the sum is divided by it in float32, where a smaller "
+            "value rounds to 0 or has no finite reciprocal and a larger one rounds to inf."
+        )
 
 
 def _apply_sparse(entries: torch.Tensor, t: float, target: torch.Tensor) -> None:

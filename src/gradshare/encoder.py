@@ -114,6 +114,11 @@ class Encoder:
             raise TypeError(f"Expect `update` to be a torch.Tensor, got {type(update).__name__}.")
         flat = update.detach().reshape(-1)
         codec.check_vector(flat, "update")
+        if flat.numel() == 0:
+            raise ValueError(
+                f"Expect `update` to have at least 1 element, got shape {tuple(update.shape)}: "
+                "an empty update has nothing to encode; leave it out of the encoder."
+            )
         if self.residual is None:
             self.residual = torch.zeros(flat.numel(), dtype=torch.float32, device=flat.device)
         elif flat.numel() != self.residual.numel():
@@ -145,8 +150,8 @@ class Encoder:
             An int32 message tensor, or None when fewer than 2 elements crossed the threshold.
 
         Raises:
-            ValueError: the update has non-finite values (the residual is left unchanged), or
-                the wrong number of elements.
+            ValueError: the update has non-finite values (the residual is left unchanged), no
+                elements, or the wrong number of elements.
         """
         u = self._prepare(update)
         if not (finite and u.dtype == update.dtype):  # a cast to float32 may overflow

@@ -9,6 +9,7 @@ worker is recorded; :mod:`gradshare.report` writes the files and the plot.
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import tempfile
@@ -106,8 +107,11 @@ class TrainConfig:
             raise ValueError(
                 f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}"
             )
-        if not self.lr > 0:
-            raise ValueError(f"--lr must be > 0, got {self.lr!r}")
+        if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(
+                f"--lr must be finite and > 0, got {self.lr!r}: it scales every step, and an "
+                "infinite one makes the first update non-finite"
+            )
         for option, parse, value in (("--threshold", parse_threshold, self.threshold),
                                      ("--clip", parse_clip, self.clip)):  # fmt: skip
             try:
@@ -281,7 +285,10 @@ def _run_distributed(config: TrainConfig, name: str, split: Split, bar: Any) -> 
 
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_rank_main, args=(config, name, _free_port(), tmp), nprocs=config.workers)
-        parts = [torch.load(Path(tmp) / f"rank{r}.pt") for r in range(config.workers)]
+        # each rank saved plain dicts, lists, strings and numbers: nothing else may load
+        parts = [
+            torch.load(Path(tmp) / f"rank{r}.pt", weights_only=True) for r in range(config.workers)
+        ]
     result = RunResult(name, epochs=parts[0]["epochs"])
     result.rows = sorted(
         (r for p in parts for r in p["rows"]), key=lambda r: (r["step"], r["worker"])
