@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from datetime import timedelta
 
 import pytest
 import torch
@@ -24,6 +25,7 @@ from gradshare import (
     FixedThreshold,
     ParallelWrapper,
     SharedOptimizer,
+    exchange_messages,
 )
 from gradshare.datasets import mlp
 
@@ -101,6 +103,24 @@ def _rank_fault(rank: int, world: int, kind: str) -> float:
 def _rank_sizes(rank: int, world: int) -> None:
     hidden = 16 if rank == 0 else 17
     SharedOptimizer(torch.optim.SGD(mlp(10, 3, hidden=hidden).parameters(), lr=0.1))
+
+
+def _rank_huge_claim(rank: int, world: int) -> int:
+    """Rank 1 claims a 2**40-word message for an 84-element vector; the others must refuse
+    before allocating anything for it."""
+    if rank == 1:
+        header = torch.tensor([0, 2**40, 84], dtype=torch.int64)
+        dist.all_gather([torch.empty_like(header) for _ in range(world)], header)
+        return 0
+    import resource
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    try:
+        exchange_messages(None, 84, timeout=timedelta(seconds=10))
+    finally:
+        grown_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+        assert grown_kb < 100_000, grown_kb
+    return 0
 
 
 def _rank_corrupt(rank: int, world: int) -> torch.Tensor:
@@ -206,6 +226,12 @@ class TestFaults:
     def test_parameter_sizes_differ(self) -> None:
         for r in spawn(_rank_sizes, 2):
             assert r.error == "ExchangeError" and "different sizes" in r.message
+
+    def test_claimed_size_is_capped_before_any_allocation(self) -> None:
+        zero, _, two = spawn(_rank_huge_claim, 3)
+        for r in (zero, two):
+            assert r.error == "ExchangeError", r.traceback
+            assert "rank(s) [1] claim" in r.message and "longer than 88" in r.message
 
     def test_corrupted_message_rejected_on_every_rank(self) -> None:
         for r in spawn(_rank_corrupt, 3):

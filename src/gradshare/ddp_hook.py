@@ -15,6 +15,7 @@ with the ones DDP itself issues from the backward thread).
 import copy
 import functools
 import logging
+import weakref
 from datetime import timedelta
 from typing import Any
 
@@ -133,7 +134,9 @@ class ThresholdHookState:
         self._pipeline = Pipeline("gradshare-ddp-exchange")
         self._counted = False  # the ranks on this host are counted (for the kernels' threads)
         self._group: Any = None
-        """The private twin of ``process_group`` the pipeline's collectives use (made lazily)."""
+        """A weak reference to the private twin of ``process_group`` that the pipeline's
+        collectives use (made lazily): ``destroy_process_group()`` frees it with the others,
+        so that no gloo thread outlives the interpreter (it aborts the process at exit)."""
 
     def _exchange_group(self) -> Any:
         """This state's private group over the ranks of ``process_group`` (made on first use).
@@ -141,12 +144,12 @@ class ThresholdHookState:
         Called from the hook, so every rank of the group makes it at the same point; only
         those ranks take part (``use_local_synchronization``).
         """
-        if self._group is None:
+        group = None if self._group is None else self._group()
+        if group is None:
             ranks = dist.get_process_group_ranks(self.process_group or dist.group.WORLD)
-            self._group = dist.new_group(
-                ranks, timeout=self.timeout, use_local_synchronization=True
-            )
-        return self._group
+            group = dist.new_group(ranks, timeout=self.timeout, use_local_synchronization=True)
+            self._group = weakref.ref(group)
+        return group
 
     def _buffer(self, index: int, like: torch.Tensor) -> torch.Tensor:
         """Bucket ``index``'s float32 buffer for sums of gradients of another dtype."""

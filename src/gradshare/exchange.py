@@ -19,9 +19,11 @@ goes on (the DDP hook: bucket k is exchanged while backward computes bucket k+1)
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -137,6 +139,16 @@ def exchange_messages(
     return [m[: h[1]] if h[1] else None for h, m in zip(table, gathered, strict=True)]
 
 
+_open: weakref.WeakSet[Pipeline] = weakref.WeakSet()
+"""Pipelines whose thread runs."""
+
+
+@atexit.register
+def _close_all() -> None:
+    for pipeline in list(_open):
+        pipeline.close()
+
+
 class Pipeline:
     """Run jobs one at a time, in submission order, in one background thread.
 
@@ -149,9 +161,7 @@ class Pipeline:
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], torch.futures.Future[Any]]] = (
-            queue.SimpleQueue()
-        )
+        self._jobs: queue.SimpleQueue[tuple[Any, Any]] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._failure: BaseException | None = None
         self._lock = threading.Lock()
@@ -162,8 +172,23 @@ class Pipeline:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
                 self._thread.start()
+                _open.add(self)
         self._jobs.put((job, future))
         return future
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Let the queued jobs finish, then end the thread (a later submit starts a new one).
+
+        Called for every pipeline at interpreter exit: a thread of ours still alive while the
+        interpreter and torch's C++ state are torn down can abort the process ("terminate
+        called without an active exception").
+        """
+        with self._lock:
+            thread, self._thread = self._thread, None
+            _open.discard(self)
+        if thread is not None:
+            self._jobs.put((None, None))
+            thread.join(timeout)
 
     def clear_failure(self) -> None:
         """Let the next job run again after a failure (called at a pass's end)."""
@@ -174,7 +199,11 @@ class Pipeline:
 
     def _run(self) -> None:
         while True:
-            self._step(*self._jobs.get())  # holds nothing of a job between jobs
+            job, future = self._jobs.get()
+            if job is None:
+                return
+            self._step(job, future)
+            del job, future  # hold nothing of a job between jobs
 
     def _step(self, job: Callable[[], Any], future: torch.futures.Future[Any]) -> None:
         clearing = job == self._clear
