@@ -1,31 +1,38 @@
-"""Exchange cost per step: gradshare's hook vs dense all-reduce, fp16 and PowerSGD, over gloo.
+"""Step time with each exchange on a 25M-parameter GPT and square layers, over gloo links.
 
-Run:  .venv/bin/python bench/exchange.py                 (~8 minutes on 2 cores, as root)
-      .venv/bin/python bench/exchange.py --worlds 2 --rates none --steps 3   (quick)
+Run:  .venv/bin/python bench/exchange.py                  (~40 minutes on 2 cores, as root)
+      .venv/bin/python bench/exchange.py --models gpt --worlds 2 --rates none --steps 3
 
-One run measures, for each world size and each link rate, a DDP model of five square Linear
-layers (25M parameters by default; its gradient is the "flat update") whose gradients are
-exchanged by:
+Each world is started with ``torch.multiprocessing.spawn`` and ``OMP_NUM_THREADS=1``, as
+torchrun sets it for several ranks per host (gradshare then sets nothing: its kernels follow
+torch's count). Without it, on these 2 cores, every rank's torch takes both cores and DDP's
+dense all-reduce of the GPT slows from 0.46 s to 3.1 s a step (measured), which would flatter
+every other method; ``bench/launch.py`` measures that launch on its own. Each method runs
+with the settings a user gets by default:
 
-* ``dense``: DDP's own all-reduce (float32);
-* ``fp16``: PyTorch's ``fp16_compress_hook``;
+* ``dense``: DDP's own all-reduce, DDP's default buckets (25 MB);
+* ``fp16``: PyTorch's ``fp16_compress_hook`` (default buckets);
 * ``powersgd-1``, ``powersgd-4``: PyTorch's PowerSGD hook at rank 1 and 4 (error feedback,
-  warm start);
-* ``gradshare``: :func:`gradshare.threshold_hook` (adaptive threshold starting from the 99.9th
-  percentile of the first gradient, and 40 warm-up steps so that it settles: with error
-  feedback the residual grows, and the threshold follows it);
+  warm start, ``start_powerSGD_iter=2``), in one bucket: with several buckets its chained
+  collectives can be issued in different orders on different gloo ranks, which aborts;
+* ``hook``: ``gradshare.register_threshold_hook(ddp_model)`` with its defaults (default
+  buckets; the exchange overlaps with backward);
+* ``shared``: ``gradshare.SharedOptimizer(adamw)`` with its defaults (no DDP);
 
-and ``compute``: the same forward and backward with no exchange at all (measured first and
-last; the faster is kept, so that a slow moment of the machine cannot shrink ``exchange ms``).
-``ms/step`` is the median over the timed steps of the slowest rank (the inputs cycle through
-4 random batches, so gradients change from step to step and the residual sums them);
-``bytes/step`` is what one rank contributes per step (its message, or its share of the
-payload). DDP runs with one bucket for every method (``bucket_cap_mb=4096``): PowerSGD's
-chained collectives can otherwise be issued in different orders on different ranks over
-gloo, which aborts the run; and with
-``gradient_as_bucket_view=True`` for every method (gradients live in the bucket, which saves
-DDP two copies of every gradient per step, as PyTorch recommends for communication hooks).
-``exchange ms`` is ``ms/step`` minus ``compute``: what the method adds to a step.
+and ``compute``: the same forward, backward and optimizer step with no exchange at all
+(measured first and last; the faster is kept, so a slow moment cannot shrink ``exchange``).
+Every method steps AdamW. Models: ``gpt``, the character-level GPT of the quality workloads
+scaled to 8 blocks of 512 (25.4M parameters in 102 tensors), 2 windows of 64 characters of
+CPython's documentation per rank; ``square``, five square Linear layers (25M parameters), 8
+random rows per rank.
+
+Warm-up before timing: 2 steps for dense and fp16, 3 for PowerSGD (its start), 10 for
+gradshare (what any run passes through in its first seconds; the default adaptive threshold
+starts at 1e-3 and keeps adapting). Then up to ``--steps`` timed steps, at most 60 s per
+method (at least 2 steps). ``ms/step`` is the median over the timed steps of the slowest
+rank; ``exchange`` is ``ms/step`` minus ``compute`` and ``share`` its fraction of the step;
+``bytes/step`` is what one rank contributes per step (its messages, or its share of the
+payload), and gradshare's density is taken from those bytes.
 
 Link rates: ``none`` is plain loopback. ``1gbit``, ``100mbit`` run the whole world inside a
 network namespace that this script creates, whose loopback is shaped with ``tc ... tbf``; all
@@ -36,7 +43,7 @@ the smallest world is run (dense steps take tens of seconds there).
 The cost model at the end: per rank and step, ring all-reduce sends 2(W-1)/W · 4N bytes while
 an all-gather of W messages of m bytes sends (W-1) · m, so sparse all-gather wins while
 W < 2 · 4N / m, i.e. W < 2 / density for sparse messages and W < 8 for bitmaps.
-Results go to bench/results/exchange.json.
+Results go to bench/results/exchange.json and exchange.png.
 """
 
 from __future__ import annotations
@@ -53,11 +60,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import numba
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -67,22 +73,22 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _env import environment
+from _models import gpt, lm_loss, text, text_batch, vocab_size
 
 RESULTS = Path(__file__).resolve().parent / "results"
-METHODS = [
-    m
-    for m in os.environ.get(
-        "GS_METHODS", "compute dense fp16 powersgd-1 powersgd-4 gradshare"
-    ).split()
-]
+METHODS = ["compute", "dense", "fp16", "powersgd-1", "powersgd-4", "hook", "shared"]
+MODELS = ["gpt", "square"]
 LAYERS = 5
-WARMUP = 40
-"""Steps gradshare runs before timing, so that its adaptive threshold has settled."""
+WARMUP = {"dense": 2, "fp16": 2, "powersgd-1": 3, "powersgd-4": 3, "hook": 10, "shared": 10,
+          "compute": 2}  # fmt: skip
+BUDGET_S = 60.0
+"""Most seconds of timed steps per method (at least 2 steps are timed)."""
 RATES = ["none", "1gbit", "100mbit"]
 
 
 @dataclass
 class Row:
+    model: str
     rate: str
     world: int
     method: str
@@ -90,18 +96,37 @@ class Row:
     ms_per_step: float
     bytes_per_step: float
     density: float | None
+    steps: int
+    """Timed steps."""
     speedup_vs_dense: float | None = None
     """Dense ms/step over this method's."""
     exchange_ms: float | None = None
     """ms/step minus compute's: what the exchange adds to a step."""
-    exchange_speedup_vs_dense: float | None = None
-    """Dense exchange ms over this method's."""
+    exchange_share: float | None = None
+    """exchange_ms / ms_per_step."""
 
 
-def model(numel: int) -> nn.Module:
+def square(numel: int) -> nn.Module:
     dim = int(math.sqrt(numel / LAYERS))
     torch.manual_seed(0)
     return nn.Sequential(*[nn.Linear(dim, dim) for _ in range(LAYERS)])
+
+
+def workload(name: str, numel: int, rank: int) -> tuple[nn.Module, Callable[[int], torch.Tensor]]:
+    """The model and ``loss(step)`` of one rank (its own inputs, changing every step)."""
+    g = torch.Generator().manual_seed(rank)
+    if name == "gpt":
+        ids = text()
+        net = gpt("gpt-25m", vocab_size(ids))
+        batches = [text_batch(ids, 2, 64, g) for _ in range(4)]
+        return net, lambda i, m=None: lm_loss((m or net)(batches[i % 4][0]), batches[i % 4][1])
+    net = square(numel)
+    xs = [torch.randn(8, net[0].in_features, generator=g) for _ in range(4)]
+    return net, lambda i, m=None: (m or net)(xs[i % 4]).square().mean()
+
+
+def adamw(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
 
 
 def powersgd_bytes(m: nn.Module, rank: int) -> int:
@@ -116,73 +141,73 @@ def powersgd_bytes(m: nn.Module, rank: int) -> int:
     return total
 
 
-def _rank(rank: int, world: int, port: int, numel: int, steps: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)  # the ranks share the machine's cores: one thread each,
-    numba.set_num_threads(1)  # for torch and for gradshare's kernels alike
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    from gradshare import AdaptiveThreshold, ThresholdHookState, threshold_hook
+def _method(method: str, rank: int, world: int, model: str, numel: int, steps: int) -> dict:
+    import gradshare
 
-    rows = []
-    for method in [*METHODS, "compute"] if "compute" in METHODS else METHODS:
-        net = model(numel)
-        g = torch.Generator().manual_seed(rank)
-        xs = [torch.randn(8, net[0].in_features, generator=g) for _ in range(4)]
-        x = xs[0]
-        t = 0.0
-        if method == "gradshare":  # start the threshold near the 99.9th percentile
-            net(x).square().mean().backward()
-            g = torch.cat([p.grad.reshape(-1) for p in net.parameters()]).abs()
-            t = float(torch.quantile(g[:: max(1, g.numel() // 1_000_000)], 0.999))
-            net.zero_grad()
-        run: nn.Module = (
-            net
-            if method == "compute"
-            else DDP(net, bucket_cap_mb=4096, gradient_as_bucket_view=True)
+    net, loss_of = workload(model, numel, rank)
+    params = list(net.parameters())
+    run: nn.Module = net
+    state = None
+    if method in ("dense", "fp16", "hook"):
+        run = DDP(net)
+    elif method.startswith("powersgd"):
+        run = DDP(net, bucket_cap_mb=4096)
+    opt = adamw(params)
+    if method == "fp16":
+        run.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif method.startswith("powersgd"):
+        ps = powerSGD_hook.PowerSGDState(
+            None, matrix_approximation_rank=int(method.split("-")[1]), start_powerSGD_iter=2
         )
-        state = None
-        warmup = {"gradshare": WARMUP, "powersgd-1": 3, "powersgd-4": 3}.get(method, 2)
-        if method == "fp16":
-            run.register_comm_hook(None, default_hooks.fp16_compress_hook)
-        elif method.startswith("powersgd"):
-            r = int(method.split("-")[1])
-            ps = powerSGD_hook.PowerSGDState(
-                None, matrix_approximation_rank=r, start_powerSGD_iter=2
-            )
-            run.register_comm_hook(ps, powerSGD_hook.powerSGD_hook)
-        elif method == "gradshare":
-            state = ThresholdHookState(threshold=AdaptiveThreshold(t))
-            run.register_comm_hook(state, threshold_hook)
-        times, sent0 = [], 0
-        for i in range(warmup + steps):
-            if i == warmup and state is not None:
-                sent0 = state.bytes_sent
-            dist.barrier()
-            start = time.perf_counter()
-            run.zero_grad(set_to_none=False)
-            run(xs[i % len(xs)]).square().mean().backward()
-            elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-            if i >= warmup:
-                times.append(float(elapsed))
-        n = sum(p.numel() for p in net.parameters())
-        density = None
-        if method == "compute":
-            sent = 0.0
-        elif method == "dense":
-            sent = 4.0 * n
-        elif method == "fp16":
-            sent = 2.0 * n
-        elif method.startswith("powersgd"):
-            sent = float(powersgd_bytes(net, int(method.split("-")[1])))
-        else:
-            assert state is not None
-            sent = (state.bytes_sent - sent0) / steps
-            words = sent / 4 - 4 * len(state.encoders)  # sparse: entries plus a header each
-            density = words / n  # mean over the timed steps
-        rows.append({"method": method, "numel": n, "ms": statistics.median(times) * 1e3,
-                     "bytes": sent, "density": density})  # fmt: skip
-        del run, net
+        run.register_comm_hook(ps, powerSGD_hook.powerSGD_hook)
+    elif method == "hook":
+        state = gradshare.register_threshold_hook(run)  # type: ignore[arg-type]
+    elif method == "shared":
+        opt = gradshare.SharedOptimizer(opt)
+    warmup = WARMUP[method]
+    times: list[float] = []
+    sent0, spent = 0, 0.0
+    i = 0
+    while len(times) < steps and (spent < BUDGET_S or len(times) < 2):
+        if i == warmup:
+            sent0 = state.bytes_sent if state is not None else getattr(opt, "bytes_sent", 0)
+        dist.barrier()
+        start = time.perf_counter()
+        opt.zero_grad()
+        loss_of(i, run).backward()
+        opt.step()
+        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        if i >= warmup:
+            times.append(float(elapsed))
+            spent += float(elapsed)
+        i += 1
+    n = sum(p.numel() for p in params)
+    density = None
+    if method == "compute":
+        sent = 0.0
+    elif method == "dense":
+        sent = 4.0 * n
+    elif method == "fp16":
+        sent = 2.0 * n
+    elif method.startswith("powersgd"):
+        sent = float(powersgd_bytes(net, int(method.split("-")[1])))
+    else:
+        total = state.bytes_sent if state is not None else opt.bytes_sent  # type: ignore[attr-defined]
+        sent = (total - sent0) / len(times)
+        messages = len(state.encoders) if state is not None else 1
+        density = max(sent / 4 - 4 * messages, 0) / n  # sparse: entries plus a header each
+    return {"method": method, "numel": n, "ms": statistics.median(times) * 1e3, "bytes": sent,
+            "density": density, "steps": len(times)}  # fmt: skip
+
+
+def _rank(
+    rank: int, world: int, port: int, model: str, numel: int, steps: int, methods: list[str],
+    out: str,
+) -> None:  # fmt: skip
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    rows = [_method(m, rank, world, model, numel, steps) for m in [*methods, "compute"]]
     if rank == 0:
         Path(out).write_text(json.dumps(rows))
     dist.destroy_process_group()
@@ -194,16 +219,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def inner(world: int, numel: int, steps: int) -> list[dict]:
-    """Run every method on a world of ``world`` processes here (in whatever namespace)."""
+def inner(model: str, world: int, numel: int, steps: int, methods: list[str]) -> list[dict]:
+    """Run ``methods`` on a world of ``world`` processes here (in whatever namespace)."""
+    os.environ["OMP_NUM_THREADS"] = "1"  # as torchrun sets it for several ranks per host
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "rows.json")
-        mp.spawn(_rank, args=(world, free_port(), numel, steps, out), nprocs=world, join=True)
+        mp.spawn(_rank, args=(world, free_port(), model, numel, steps, methods, out),
+                 nprocs=world, join=True)  # fmt: skip
         rows = json.loads(Path(out).read_text())
     compute = [r for r in rows if r["method"] == "compute"]
-    if compute:  # measured first and last: keep the faster, the floor of a step
-        rows = [r for r in rows if r["method"] != "compute"]
-        rows.insert(0, min(compute, key=lambda r: r["ms"]))
+    rows = [r for r in rows if r["method"] != "compute"]
+    rows.insert(0, min(compute, key=lambda r: r["ms"]))  # measured first and last: the floor
     return rows
 
 
@@ -225,26 +251,29 @@ def shaped_namespace(rate: str) -> Iterator[str]:
         subprocess.run(["ip", "netns", "delete", name], capture_output=True)
 
 
-def measure(rate: str, world: int, numel: int, steps: int) -> list[Row]:
+def measure(
+    model: str, rate: str, world: int, numel: int, steps: int, methods: list[str]
+) -> list[Row]:
     if rate == "none":
-        raw = inner(world, numel, steps)
+        raw = inner(model, world, numel, steps, methods)
     else:
         with shaped_namespace(rate) as ns, tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "rows.json"
             cmd = ["ip", "netns", "exec", ns, sys.executable, __file__, "--inner", str(world),
-                   "--numel", str(numel), "--steps", str(steps), "--out", str(out)]  # fmt: skip
-            subprocess.run(cmd, check=True, timeout=1800)
+                   "--models", model, "--numel", str(numel), "--steps", str(steps),
+                   "--methods", *methods, "--out", str(out)]  # fmt: skip
+            subprocess.run(cmd, check=True, timeout=3600)
             raw = json.loads(out.read_text())
     dense_ms = next(r["ms"] for r in raw if r["method"] == "dense")
-    compute_ms = next((r["ms"] for r in raw if r["method"] == "compute"), None)
+    compute_ms = next(r["ms"] for r in raw if r["method"] == "compute")
     rows = []
     for r in raw:
-        row = Row(rate, world, r["method"], r["numel"], r["ms"], r["bytes"], r["density"])
+        row = Row(model, rate, world, r["method"], r["numel"], r["ms"], r["bytes"],
+                  r["density"], r["steps"])  # fmt: skip
         if r["method"] != "compute":
             row.speedup_vs_dense = dense_ms / r["ms"]
-            if compute_ms is not None:
-                row.exchange_ms = max(r["ms"] - compute_ms, 1e-3)
-                row.exchange_speedup_vs_dense = (dense_ms - compute_ms) / row.exchange_ms
+            row.exchange_ms = max(r["ms"] - compute_ms, 0.0)
+            row.exchange_share = row.exchange_ms / r["ms"]
         rows.append(row)
     return rows
 
@@ -260,22 +289,18 @@ def can_shape() -> str | None:
 
 def table(rows: list[Row]) -> str:
     head = (
-        f"{'rate':<8} {'world':>5} {'method':<11} {'ms/step':>9} {'bytes/step':>14} "
-        f"{'density':>8} {'vs dense':>9} {'exchange ms':>12} {'vs dense':>9}"
+        f"{'model':<7} {'rate':<8} {'world':>5} {'method':<11} {'ms/step':>9} {'vs dense':>9} "
+        f"{'exchange':>9} {'share':>6} {'bytes/step':>13} {'density':>8}"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
         density = f"{r.density:.1e}" if r.density is not None else "-"
-        speed = f"{r.speedup_vs_dense:.1f}x" if r.speedup_vs_dense is not None else "-"
-        exchange = f"{r.exchange_ms:.1f}" if r.exchange_ms is not None else "-"
-        ex_speed = (
-            f"{r.exchange_speedup_vs_dense:.1f}x"
-            if r.exchange_speedup_vs_dense is not None
-            else "-"
-        )
+        speed = f"{r.speedup_vs_dense:.2f}x" if r.speedup_vs_dense is not None else "-"
+        exchange = f"{r.exchange_ms:.0f}" if r.exchange_ms is not None else "-"
+        share = f"{r.exchange_share:.0%}" if r.exchange_share is not None else "-"
         lines.append(
-            f"{r.rate:<8} {r.world:>5} {r.method:<11} {r.ms_per_step:>9.1f} "
-            f"{r.bytes_per_step:>14,.0f} {density:>8} {speed:>9} {exchange:>12} {ex_speed:>9}"
+            f"{r.model:<7} {r.rate:<8} {r.world:>5} {r.method:<11} {r.ms_per_step:>9.1f} "
+            f"{speed:>9} {exchange:>9} {share:>6} {r.bytes_per_step:>13,.0f} {density:>8}"
         )
     return "\n".join(lines)
 
@@ -299,29 +324,35 @@ def cost_model(numel: int, density: float) -> list[dict[str, float]]:
 
 
 def plot(rows: list[Row], path: Path) -> None:
-    """ms per step of every method, one group per (rate, world), log scale."""
+    """ms per step of every method, one group per (rate, world), log scale; a panel per model."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    groups = sorted({(r.rate, r.world) for r in rows}, key=lambda g: (RATES.index(g[0]), g[1]))
-    methods = [m for m in METHODS if any(r.method == m for r in rows)]
-    fig, ax = plt.subplots(figsize=(10, 4.5))
-    width = 0.8 / max(len(methods), 1)
-    for k, m in enumerate(methods):
-        xs, ys = [], []
-        for g, (rate, world) in enumerate(groups):
-            hit = [r for r in rows if (r.rate, r.world, r.method) == (rate, world, m)]
-            if hit:
-                xs.append(g + k * width)
-                ys.append(hit[0].ms_per_step)
-        ax.bar(xs, ys, width, label=m)
-    ax.set_xticks([g + 0.4 - width / 2 for g in range(len(groups))])
-    ax.set_xticklabels([f"{rate}, {world} ranks" for rate, world in groups])
-    ax.set_yscale("log")
-    ax.set(ylabel="ms per step (log)", title="gradient exchange per step, 25M parameters")
-    ax.legend(fontsize=8)
+    models = [m for m in MODELS if any(r.model == m for r in rows)]
+    fig, axes = plt.subplots(len(models), 1, figsize=(11, 4.2 * len(models)), squeeze=False)
+    for ax, model in zip(axes[:, 0], models, strict=True):
+        mine = [r for r in rows if r.model == model]
+        groups = sorted({(r.rate, r.world) for r in mine},
+                        key=lambda g: (RATES.index(g[0]), g[1]))  # fmt: skip
+        methods = [m for m in METHODS if any(r.method == m for r in mine)]
+        width = 0.8 / max(len(methods), 1)
+        for k, m in enumerate(methods):
+            xs, ys = [], []
+            for g, (rate, world) in enumerate(groups):
+                hit = [r for r in mine if (r.rate, r.world, r.method) == (rate, world, m)]
+                if hit:
+                    xs.append(g + k * width)
+                    ys.append(hit[0].ms_per_step)
+            ax.bar(xs, ys, width, label=m)
+        ax.set_xticks([g + 0.4 - width / 2 for g in range(len(groups))])
+        ax.set_xticklabels([f"{'loopback' if rate == 'none' else rate}, {world} ranks"
+                            for rate, world in groups])  # fmt: skip
+        ax.set_yscale("log")
+        numel = mine[0].numel / 1e6
+        ax.set(ylabel="ms per step (log)", title=f"{model}: {numel:.1f}M parameters, AdamW")
+        ax.legend(fontsize=8, ncol=4)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -329,35 +360,42 @@ def plot(rows: list[Row], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=MODELS, choices=MODELS)
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--rates", nargs="+", default=RATES, choices=RATES)
-    parser.add_argument("--numel", type=int, default=25_000_000)
-    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--numel", type=int, default=25_000_000, help="of the square model")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--methods", nargs="+", default=METHODS[1:], choices=METHODS[1:],
+                        help="besides compute, which is always measured")  # fmt: skip
     parser.add_argument("--out", type=Path, default=RESULTS / "exchange.json")
     parser.add_argument("--inner", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.inner is not None:  # inside a shaped namespace
-        args.out.write_text(json.dumps(inner(args.inner, args.numel, args.steps)))
+        raw = inner(args.models[0], args.inner, args.numel, args.steps, args.methods)
+        args.out.write_text(json.dumps(raw))
         return
     rows: list[Row] = []
     skipped = []
-    for rate in args.rates:
-        why = None if rate == "none" else can_shape()
-        if why:
-            skipped.append(f"{rate}: skipped ({why})")
-            print(f"rate {rate}: skipped, {why}")
-            continue
-        worlds = args.worlds[:1] if rate == "100mbit" else args.worlds
-        for world in worlds:
-            steps = min(args.steps, 2) if rate == "100mbit" else args.steps
-            print(f"rate {rate}, world {world} ...", flush=True)
-            rows += measure(rate, world, args.numel, steps)
+    for model in args.models:
+        for rate in args.rates:
+            why = None if rate == "none" else can_shape()
+            if why:
+                skipped.append(f"{rate}: skipped ({why})")
+                print(f"rate {rate}: skipped, {why}")
+                continue
+            worlds = args.worlds[:1] if rate == "100mbit" else args.worlds
+            for world in worlds:
+                print(f"{model}, rate {rate}, world {world} ...", flush=True)
+                rows += measure(model, rate, world, args.numel, args.steps, args.methods)
+                print(table([r for r in rows if (r.model, r.rate, r.world) ==
+                             (model, rate, world)]), flush=True)  # fmt: skip
     print(table(rows))
-    densities = [r.density for r in rows if r.density]
+    densities = [r.density for r in rows if r.density and r.model == rows[0].model]
     density = statistics.median(densities) if densities else 1e-3
-    model_rows = cost_model(args.numel, density)
+    model_rows = cost_model(rows[0].numel, density)
     print(
-        f"\ncost model, N = {args.numel:,}, sparse density {density:.1e} (bytes per rank per step)"
+        f"\ncost model, N = {rows[0].numel:,}, sparse density {density:.1e} (bytes per rank per "
+        "step)"
     )
     print(
         f"{'world':>6} {'all-reduce dense':>17} {'all-gather sparse':>18} {'all-gather bitmap':>18}"

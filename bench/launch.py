@@ -59,7 +59,8 @@ class Row:
     ms_per_step: float
     vs_dense: float
     torch_threads: int
-    kernel_threads: int
+    kernel_threads: int | None
+    """Threads of gradshare's kernels (None for dense, which runs none)."""
     bytes_per_step: float
 
 
@@ -106,9 +107,10 @@ def _train(rank: int, world: int, steps: int, warmup: int, out: str) -> None:
             sent = opt.bytes_sent / (warmup + steps)  # type: ignore[attr-defined]
         else:
             sent = 4.0 * numel
+        kernel = None if method == "dense" else threads.kernel_threads()
         rows.append({"method": method, "ms": statistics.median(times) * 1e3, "bytes": sent,
                      "torch_threads": torch.get_num_threads(),
-                     "kernel_threads": threads.kernel_threads()})  # fmt: skip
+                     "kernel_threads": kernel})  # fmt: skip
     if rank == 0:
         Path(out).write_text(json.dumps(rows))
     dist.destroy_process_group()
@@ -150,7 +152,7 @@ def table(rows: list[Row]) -> str:
     for r in rows:
         lines.append(
             f"{r.launch:<9} {r.method:<7} {r.ms_per_step:>8.1f} {r.vs_dense:>8.2f}x "
-            f"{r.torch_threads:>10} {r.kernel_threads:>11} {r.bytes_per_step:>12,.0f}"
+            f"{r.torch_threads:>10} {r.kernel_threads or '-':>11} {r.bytes_per_step:>12,.0f}"
         )
     return "\n".join(lines)
 

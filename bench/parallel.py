@@ -5,7 +5,7 @@ Run:  .venv/bin/python bench/parallel.py            (1, 2 and 4 workers; ~1 minu
 
 A 1.07M-parameter MLP (784-1024-256-10) trains on random MNIST-shaped minibatches of 64, for
 each worker count, once with threshold-encoded sharing (``AdaptiveThreshold(1e-3)``) and once
-sharing exact dense updates (``threshold=None``), in one run. Per worker and round it records:
+sharing exact dense updates (``dense=True``), in one run. Per worker and round it records:
 
 * ``compute``: forward, backward and the local optimizer step (and taking the update out);
 * ``encode``: adding into the residual and encoding (dense mode: copying the update);
@@ -77,6 +77,7 @@ def measure(workers: int, mode: str, rounds: int, warmup: int) -> Row:
         F.cross_entropy,
         num_workers=workers,
         threshold=None if mode == "dense" else AdaptiveThreshold(1e-3),
+        dense=mode == "dense",
     )
     acc = wrapper.accumulator
     per_round: list[dict[str, float]] = []

@@ -95,7 +95,7 @@ class TestRound:
             assert torch.equal(params[p], reference)
 
     def test_mean_reduction_and_dense_mode(self) -> None:
-        acc = EncodedGradientsAccumulator(2, threshold=None, reduction="mean")
+        acc = EncodedGradientsAccumulator(2, dense=True, reduction="mean")
         ups = [torch.tensor([1.0, 2.0]), torch.tensor([3.0, -4.0])]
         params = [torch.zeros(2), torch.zeros(2)]
         run_parties(

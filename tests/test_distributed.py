@@ -6,6 +6,7 @@ run on every rank and return what the test asserts on.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import os
 import signal
@@ -22,6 +23,7 @@ from torch.nn import functional as F
 
 from gradshare import (
     AdaptiveThreshold,
+    ExchangeError,
     FixedThreshold,
     ParallelWrapper,
     SharedOptimizer,
@@ -69,7 +71,7 @@ def _rank_equivalence(rank: int, world: int, batches: list) -> torch.Tensor:
 
 def _rank_dense(rank: int, world: int, batches: list) -> torch.Tensor:
     model = mlp(10, 3, hidden=16, seed=0)
-    opt = SharedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), threshold=None,
+    opt = SharedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), dense=True,
                           reduction="mean")  # fmt: skip
     for x, y in batches[rank::world]:
         opt.zero_grad()
@@ -98,6 +100,28 @@ def _rank_fault(rank: int, world: int, kind: str) -> float:
         start = time.monotonic()
         opt.step()
     return time.monotonic() - start
+
+
+def _rank_keeps_residual(rank: int, world: int) -> float:
+    """The survivor of a lost peer catches the error: its residual must hold what it had plus
+    this step's update (its own message goes back), so a checkpoint then loses nothing."""
+    model = mlp(10, 3, hidden=16, seed=0)
+    opt = SharedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5), timeout=3,
+                          threshold=FixedThreshold(1e-3))  # fmt: skip
+    for step, (x, y) in enumerate(toy_batches(4 * world)[rank::world]):
+        if rank == 1 and step == 2:
+            return 0.0  # leaves: the others' exchange fails
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        residual = opt.encoder.residual  # type: ignore[union-attr]
+        held = None if residual is None else residual.double().clone()
+        try:
+            opt.step()
+        except ExchangeError:
+            assert opt.last_stats is not None and opt.last_stats.entries > 0  # it had sent
+            expected = held + opt._update.double()  # type: ignore[operator]
+            return float((opt.encoder.residual.double() - expected).abs().max())  # type: ignore[union-attr]
+    raise AssertionError("the exchange did not fail")
 
 
 def _rank_sizes(rank: int, world: int) -> None:
@@ -150,6 +174,63 @@ def _rank_corrupt(rank: int, world: int) -> torch.Tensor:
     return flat(model)
 
 
+def _rank_conventions(rank: int, world: int) -> dict:
+    """torch.optim's conventions on a SharedOptimizer: step hooks, an LR scheduler, GradScaler."""
+    model = mlp(10, 3, hidden=16, seed=0)
+    opt = SharedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    calls: list[str] = []
+    opt.register_step_pre_hook(lambda o, args, kwargs: calls.append("pre"))
+    opt.register_step_post_hook(lambda o, args, kwargs: calls.append("post"))
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    for x, y in toy_batches(3 * world)[rank::world]:
+        opt.zero_grad()
+        scaler.scale(F.cross_entropy(model(x), y)).backward()
+        scaler.step(opt)
+        scaler.update()
+        sched.step()
+    return {"calls": calls, "lr": opt.param_groups[0]["lr"], "iteration": opt.iteration,
+            "params": flat(model)}  # fmt: skip
+
+
+def _rank_checkpoint_schema(rank: int, world: int) -> dict:
+    model = mlp(10, 3, hidden=16, seed=0)
+    opt = SharedOptimizer(
+        torch.optim.Adam(model.parameters(), lr=1e-2), threshold=FixedThreshold(1e-3)
+    )
+    for x, y in toy_batches(2 * world)[rank::world]:
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    saved = opt.state_dict()
+    out: dict = {"keys": sorted(saved), "ours": sorted(saved["gradshare"])}
+    residual = opt.encoder.residual.clone()  # type: ignore[union-attr]
+    fresh = SharedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2),
+                            threshold=FixedThreshold(1e-3))  # fmt: skip
+    old = {
+        "optimizer": {k: v for k, v in saved.items() if k != "gradshare"},
+        **{k: v for k, v in saved["gradshare"].items() if k not in ("world_size", "rank")},
+    }
+    fresh.load_state_dict(old)  # the schema of gradshare 0.1 still loads
+    out["old_schema"] = torch.equal(fresh.encoder.residual, residual)  # type: ignore[union-attr]
+    other = copy.deepcopy(saved)
+    other["gradshare"]["rank"] = 1 - rank
+    probe = SharedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2),
+                            threshold=FixedThreshold(1e-3))  # fmt: skip
+    try:
+        probe.load_state_dict(other)
+    except ValueError as e:
+        out["other_rank"] = str(e)
+    broken = copy.deepcopy(saved)
+    broken["param_groups"] = broken["param_groups"] * 2  # the wrapped optimizer refuses
+    try:
+        probe.load_state_dict(broken)
+    except ValueError as e:
+        out["broken"] = str(e)
+    out["untouched"] = probe.encoder.residual is None and probe.iteration == 0  # type: ignore[union-attr]
+    return out
+
+
 # ---------------------------------------------------------------------- tests
 
 
@@ -185,7 +266,7 @@ class TestSharedOptimizer:
 
 
 def test_dense_mode_equals_sgd_on_the_union() -> None:
-    """threshold=None, reduction="mean", plain SGD: W ranks = one process on W batches a step."""
+    """dense=True, reduction="mean", plain SGD: W ranks = one process on W batches a step."""
     batches = toy_batches(12)
     results = [r.get() for r in spawn(_rank_dense, 3, batches)]
     single = mlp(10, 3, hidden=16, seed=0)
@@ -198,6 +279,25 @@ def test_dense_mode_equals_sgd_on_the_union() -> None:
         opt.step()
     assert all(torch.equal(results[0], r) for r in results)
     torch.testing.assert_close(results[0], flat(single), rtol=1e-5, atol=1e-6)
+
+
+class TestOptimizerConventions:
+    def test_step_hooks_scheduler_and_grad_scaler(self) -> None:
+        """`Optimizer.__init__` never ran, so registering a step hook raised AttributeError."""
+        results = [r.get() for r in spawn(_rank_conventions, 2)]
+        for r in results:
+            assert r["calls"] == ["pre", "post"] * 3
+            assert r["lr"] == pytest.approx(0.1 * 0.5**3) and r["iteration"] == 3
+        assert torch.equal(results[0]["params"], results[1]["params"])
+
+    def test_state_dict_keeps_torch_schema_and_loads_whole_or_not_at_all(self) -> None:
+        for r in (res.get() for res in spawn(_rank_checkpoint_schema, 2)):
+            assert r["keys"] == ["gradshare", "param_groups", "state"]
+            assert r["ours"] == ["bytes_sent", "encoder", "iteration", "numel", "rank",
+                                 "world_size"]  # fmt: skip
+            assert r["old_schema"]
+            assert "saved by rank" in r["other_rank"]
+            assert "parameter groups" in r["broken"] and r["untouched"]
 
 
 class TestFaults:
@@ -222,6 +322,10 @@ class TestFaults:
         assert results[2].error == "ValueError" and "non-finite" in results[2].message
         for r in results[:2]:
             assert r.error == "ExchangeError" and "rank(s) [2] failed" in r.message
+
+    def test_failed_exchange_puts_own_message_back_into_the_residual(self) -> None:
+        survivor, _ = spawn(_rank_keeps_residual, 2, timeout=60, pg_timeout=10)
+        assert survivor.get() < 1e-6
 
     def test_parameter_sizes_differ(self) -> None:
         for r in spawn(_rank_sizes, 2):

@@ -53,10 +53,10 @@ class TestReplicas:
         assert "sparse" in formats or "bitmap" in formats
 
     def test_dense_mean_equals_single_worker_on_the_union(self) -> None:
-        """threshold=None, reduction='mean', plain SGD: N workers = one worker on N batches."""
+        """dense=True, reduction='mean', plain SGD: N workers = one worker on N batches."""
         batches = toy_batches(12, batch=8)
         wrapper = ParallelWrapper(
-            toy_model(), SGD, F.cross_entropy, num_workers=3, threshold=None, reduction="mean"
+            toy_model(), SGD, F.cross_entropy, num_workers=3, dense=True, reduction="mean"
         )
         wrapper.fit(batches, progress=False)
         single = toy_model()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from gradshare import AdaptiveThreshold, FixedThreshold, TargetSparsityThreshold
 from gradshare.threshold import DEFAULT_DECAY, THRESHOLD_SPAN, ThresholdAlgorithm
@@ -224,3 +225,44 @@ class TestAverage:
             ThresholdAlgorithm.average([])
         with pytest.raises(TypeError, match="AdaptiveThreshold and FixedThreshold"):
             ThresholdAlgorithm.average([AdaptiveThreshold(), FixedThreshold(1.0)])
+
+
+class TestOneDefault:
+    """`threshold=None` means one thing in every component: the documented default algorithm;
+    the dense oracle has its own name, `dense=True`."""
+
+    def test_none_is_the_default_algorithm_everywhere(self) -> None:
+        from torch import nn
+        from torch.nn import functional as F
+
+        from gradshare import (
+            EncodedGradientsAccumulator,
+            Encoder,
+            ParallelWrapper,
+            ThresholdHookState,
+        )
+        from gradshare.threshold import DEFAULT_INITIAL, default_threshold
+
+        wrapper = ParallelWrapper(nn.Linear(2, 2), lambda p: torch.optim.SGD(p, lr=0.1),
+                                  F.cross_entropy, num_workers=1)  # fmt: skip
+        accumulator = EncodedGradientsAccumulator(2)
+        assert accumulator.encoders is not None and wrapper.accumulator.encoders is not None
+        algorithms = [
+            Encoder().algorithm,
+            accumulator.encoders[0].algorithm,
+            wrapper.accumulator.encoders[0].algorithm,
+            ThresholdHookState().threshold,
+        ]
+        for algorithm in algorithms:
+            assert type(algorithm) is AdaptiveThreshold
+            assert algorithm.settings() == default_threshold().settings()
+            assert algorithm.initial == DEFAULT_INITIAL
+
+    def test_dense_is_explicit(self) -> None:
+        from gradshare import EncodedGradientsAccumulator
+
+        assert EncodedGradientsAccumulator(2, dense=True).encoders is None
+        with pytest.raises(ValueError, match="dense=True"):
+            EncodedGradientsAccumulator(2, threshold=FixedThreshold(1.0), dense=True)
+        with pytest.raises(TypeError, match="FixedThreshold"):
+            EncodedGradientsAccumulator(2, threshold=1e-3)  # type: ignore[arg-type]

@@ -23,7 +23,7 @@ from gradshare import codec
 from gradshare.encoder import Encoder, EncodeStats
 from gradshare.residual import ResidualPostProcessor
 from gradshare.tail import IndexedTail
-from gradshare.threshold import AdaptiveThreshold, ThresholdAlgorithm
+from gradshare.threshold import ThresholdAlgorithm, resolve_or_dense
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -33,8 +33,10 @@ __all__ = [
     "to_seconds",
 ]
 
-DEFAULT_TIMEOUT = 1800.0
-"""Seconds a party waits for the others when no timeout is given (torch.distributed's default)."""
+DEFAULT_TIMEOUT = 300.0
+"""Seconds a party, rank or collective waits for the others when no timeout is given: the one
+default of every gradshare component (long enough for a slow step, short enough that a lost
+peer is noticed within minutes, not torch.distributed's 30)."""
 DEFAULT_QUEUE_SIZE = 2
 """Rounds of messages a party's queue holds when no ``queue_size`` is given (DL4J's default)."""
 
@@ -83,12 +85,14 @@ class EncodedGradientsAccumulator:
        steps ``params -= buffer`` (``buffer / active parties`` with ``reduction="mean"``).
 
     So every replica applies ``Σ_w decode(m_w)`` and ``residual_w ← residual_w + u_w -
-    decode(m_w)``. With ``threshold=None`` the exact dense updates are shared instead (the
+    decode(m_w)``. With ``dense=True`` the exact dense updates are shared instead (the
     oracle that the encoded mode is compared to).
 
     Args:
         num_parties: how many parties (workers) there are.
-        threshold: the threshold algorithm, cloned for each party; None shares dense updates.
+        threshold: the threshold algorithm, cloned for each party (None:
+            :func:`gradshare.threshold.default_threshold`).
+        dense: share the exact dense updates instead of encoded ones (the oracle).
         post_processor: residual post-processing, cloned for each party.
         boundary: the most entries a sparse message may carry.
         queue_size: rounds of messages each queue may hold before ``store_update`` raises
@@ -102,7 +106,8 @@ class EncodedGradientsAccumulator:
         self,
         num_parties: int,
         *,
-        threshold: ThresholdAlgorithm | None = AdaptiveThreshold(),  # noqa: B008 - cloned
+        threshold: ThresholdAlgorithm | None = None,
+        dense: bool = False,
         post_processor: ResidualPostProcessor | None = None,
         boundary: int | None = None,
         queue_size: int | None = None,
@@ -116,12 +121,13 @@ class EncodedGradientsAccumulator:
         queue_size = DEFAULT_QUEUE_SIZE if queue_size is None else queue_size
         if isinstance(queue_size, bool) or not isinstance(queue_size, int) or queue_size < 1:
             raise ValueError(f"Expect `queue_size` to be an int >= 1, got {queue_size!r}.")
+        algorithm = resolve_or_dense(threshold, dense)
         self.num_parties = num_parties
-        self.dense = threshold is None
+        self.dense = algorithm is None
         self.encoders: list[Encoder] | None = None
-        if threshold is not None:
+        if algorithm is not None:
             self.encoders = [
-                Encoder(threshold.clone(), copy.deepcopy(post_processor), boundary)
+                Encoder(algorithm.clone(), copy.deepcopy(post_processor), boundary)
                 for _ in range(num_parties)
             ]
         self.queue_size = queue_size

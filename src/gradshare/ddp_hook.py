@@ -28,7 +28,7 @@ from gradshare.accumulator import to_seconds
 from gradshare.encoder import Encoder
 from gradshare.exchange import Pipeline, exchange_messages, rank_names, wait
 from gradshare.residual import ResidualPostProcessor
-from gradshare.threshold import AdaptiveThreshold, ThresholdAlgorithm
+from gradshare.threshold import ThresholdAlgorithm, resolve
 
 __all__ = ["ThresholdHookState", "register_threshold_hook", "threshold_hook"]
 
@@ -59,11 +59,13 @@ class ThresholdHookState:
 
     Args:
         process_group: the group to share over (default: the world).
-        threshold: the threshold algorithm, cloned for each bucket.
+        threshold: the threshold algorithm, cloned for each bucket (None:
+            :func:`gradshare.threshold.default_threshold`).
         post_processor: residual post-processing (applied per bucket).
         boundary: the most entries a sparse message may carry.
         start_iter: iterations of exact all-reduce before encoding starts (>= 0).
-        timeout: how long a collective may wait for the other ranks.
+        timeout: how long a collective may wait for the other ranks (default
+            :data:`gradshare.accumulator.DEFAULT_TIMEOUT`).
     """
 
     __slots__ = [  # noqa: RUF023 - grouped as settings / state / stats
@@ -95,16 +97,13 @@ class ThresholdHookState:
         self,
         process_group: Any = None,
         *,
-        threshold: ThresholdAlgorithm = AdaptiveThreshold(1e-3),  # noqa: B008 - cloned
+        threshold: ThresholdAlgorithm | None = None,
         post_processor: ResidualPostProcessor | None = None,
         boundary: int | None = None,
         start_iter: int = 1,
-        timeout: float | timedelta = timedelta(seconds=300),
+        timeout: float | timedelta | None = None,
     ) -> None:
-        if not isinstance(threshold, ThresholdAlgorithm):
-            raise TypeError(
-                f"Expect `threshold` to be a ThresholdAlgorithm, got {type(threshold).__name__}."
-            )
+        threshold = resolve(threshold)
         if isinstance(start_iter, bool) or not isinstance(start_iter, int) or start_iter < 0:
             raise ValueError(f"Expect `start_iter` to be an int >= 0, got {start_iter!r}.")
         codec.check_boundary(boundary)
@@ -149,6 +148,10 @@ class ThresholdHookState:
             ranks = dist.get_process_group_ranks(self.process_group or dist.group.WORLD)
             group = dist.new_group(ranks, timeout=self.timeout, use_local_synchronization=True)
             self._group = weakref.ref(group)
+            logger.info(
+                "threshold hook: %s, exact all-reduce for %d iteration(s), exchanges over a "
+                "private group of ranks %s", self.threshold, self.start_iter, ranks,
+            )  # fmt: skip
         return group
 
     def _buffer(self, index: int, like: torch.Tensor) -> torch.Tensor:
@@ -300,6 +303,8 @@ def threshold_hook(
         _ready_event(grad),
     )  # fmt: skip
     future = state._pipeline.submit(job)
+    if state.iteration == state.start_iter and bucket.index() == 0 and state.start_iter:
+        logger.info("threshold hook: encoding from iteration %d on", state.iteration)
     if bucket.is_last():
         state.end_of_pass()
     return future
@@ -345,13 +350,18 @@ def _exchange_bucket(
             state.last_stats[index] = enc.last_stats
         except Exception as e:
             failure = e
-        messages = exchange_messages(
-            message, numel, group=group, timeout=state.timeout, device=grad.device,
-            failure=failure,
-        )  # fmt: skip
         # the gradient now lives in the residual: its buffer takes the mean (float32 sums)
         total = grad if grad.dtype == torch.float32 else state._buffer(index, grad)
-        codec.decode_sum_(messages, total, divisor=world, names=rank_names(world))
+        try:
+            messages = exchange_messages(
+                message, numel, group=group, timeout=state.timeout, device=grad.device,
+                failure=failure,
+            )  # fmt: skip
+            codec.decode_sum_(messages, total, divisor=world, names=rank_names(world))
+        except BaseException:  # this rank's message goes back: nothing of it is lost
+            if message is not None:
+                codec.decode_(message, state.encoders[index].residual)  # type: ignore[arg-type]
+            raise
         out = total if total is grad else grad.copy_(total)
         state.bytes_sent += 0 if message is None else 4 * message.numel()
     state.dense_bytes += 4 * numel
@@ -363,11 +373,11 @@ def _exchange_bucket(
 def register_threshold_hook(
     ddp_model: DistributedDataParallel,
     *,
-    threshold: ThresholdAlgorithm = AdaptiveThreshold(1e-3),  # noqa: B008 - cloned
+    threshold: ThresholdAlgorithm | None = None,
     post_processor: ResidualPostProcessor | None = None,
     boundary: int | None = None,
     start_iter: int = 1,
-    timeout: float | timedelta = timedelta(seconds=300),
+    timeout: float | timedelta | None = None,
     process_group: Any = None,
 ) -> ThresholdHookState:
     """Register :func:`threshold_hook` on ``ddp_model`` and return its state (checkpoint it)."""

@@ -8,6 +8,7 @@ and every rank applies the same decoded sum, so the replicas stay bit-identical.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Literal
@@ -29,9 +30,26 @@ from gradshare.accumulator import to_seconds
 from gradshare.encoder import Encoder, EncodeStats
 from gradshare.exchange import exchange_messages, rank_names, wait
 from gradshare.residual import ResidualPostProcessor
-from gradshare.threshold import AdaptiveThreshold, ThresholdAlgorithm
+from gradshare.threshold import ThresholdAlgorithm, resolve_or_dense
 
 __all__ = ["SharedOptimizer"]
+
+
+_KEY = "gradshare"
+"""The key of gradshare's own entries in :meth:`SharedOptimizer.state_dict`."""
+
+
+def _split_state(state_dict: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the wrapped optimizer's state dict, gradshare's entries) of either schema."""
+    if _KEY in state_dict:
+        return {k: v for k, v in state_dict.items() if k != _KEY}, state_dict[_KEY]
+    if {"optimizer", "encoder", "iteration", "bytes_sent", "numel"} <= set(state_dict):
+        return state_dict["optimizer"], state_dict  # gradshare 0.1
+    raise ValueError(
+        f"Expect a SharedOptimizer state dict (with a {_KEY!r} entry), got keys "
+        f"{sorted(state_dict)}: a plain optimizer's checkpoint holds no residual; load it "
+        "into the wrapped optimizer before wrapping it."
+    )
 
 
 def _flat_params(params: list[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
@@ -63,12 +81,14 @@ class SharedOptimizer(torch.optim.Optimizer):
 
     Args:
         optimizer: any ``torch.optim`` optimizer over the model's parameters.
-        threshold: the threshold algorithm (cloned; each rank keeps its own state); None
-            all-reduces the exact dense updates instead (the oracle to compare with).
+        threshold: the threshold algorithm (cloned; each rank keeps its own state; None:
+            :func:`gradshare.threshold.default_threshold`).
+        dense: all-reduce the exact dense updates instead (the oracle to compare with).
         post_processor: residual post-processing.
         process_group: the group to share over (default: the world).
         reduction: ``"sum"`` (DL4J) or ``"mean"`` over ranks.
-        timeout: how long a collective may wait for the other ranks before raising.
+        timeout: how long a collective may wait for the other ranks before raising (default
+            :data:`gradshare.accumulator.DEFAULT_TIMEOUT`).
 
     Example::
 
@@ -81,21 +101,18 @@ class SharedOptimizer(torch.optim.Optimizer):
         self,
         optimizer: torch.optim.Optimizer,
         *,
-        threshold: ThresholdAlgorithm | None = AdaptiveThreshold(1e-3),  # noqa: B008 - cloned
+        threshold: ThresholdAlgorithm | None = None,
+        dense: bool = False,
         post_processor: ResidualPostProcessor | None = None,
         process_group: Any = None,
         reduction: Literal["sum", "mean"] = "sum",
-        timeout: float | timedelta = timedelta(seconds=300),
+        timeout: float | timedelta | None = None,
     ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(
                 f"Expect `optimizer` to be a torch.optim.Optimizer, got {type(optimizer).__name__}."
             )
-        if threshold is not None and not isinstance(threshold, ThresholdAlgorithm):
-            raise TypeError(
-                f"Expect `threshold` to be a ThresholdAlgorithm or None, got "
-                f"{type(threshold).__name__}."
-            )
+        algorithm = resolve_or_dense(threshold, dense)
         if reduction not in ("sum", "mean"):
             raise ValueError(f'Expect `reduction` "sum" or "mean", got {reduction!r}.')
         if not dist.is_available() or not dist.is_initialized():
@@ -106,10 +123,11 @@ class SharedOptimizer(torch.optim.Optimizer):
         self.optim = optimizer
         self.param_groups = optimizer.param_groups
         self.defaults = optimizer.defaults
+        self._init_hooks()
         self.group = process_group
         self.reduction = reduction
         self.timeout = timedelta(seconds=to_seconds(timeout))
-        self.encoder = None if threshold is None else Encoder(threshold.clone(), post_processor)
+        self.encoder = None if algorithm is None else Encoder(algorithm.clone(), post_processor)
         """This rank's encoder (None: exact dense updates are all-reduced, the oracle)."""
         self.iteration = 0
         self.bytes_sent = 0
@@ -128,6 +146,22 @@ class SharedOptimizer(torch.optim.Optimizer):
         self._broadcast_from_rank0(params)
 
     # ------------------------------------------------------------------ set-up
+
+    def _init_hooks(self) -> None:
+        """What ``torch.optim.Optimizer.__init__`` sets besides the parameters and the state
+        (which are the wrapped optimizer's): the hook registries and the patched ``step``, so
+        that ``register_step_pre_hook`` / ``register_step_post_hook`` (run once per step),
+        the state-dict hooks and the profiler work on this wrapper as on any optimizer."""
+        for name in (
+            "_optimizer_step_pre_hooks",
+            "_optimizer_step_post_hooks",
+            "_optimizer_state_dict_pre_hooks",
+            "_optimizer_state_dict_post_hooks",
+            "_optimizer_load_state_dict_pre_hooks",
+            "_optimizer_load_state_dict_post_hooks",
+        ):
+            setattr(self, name, OrderedDict())
+        self._patch_step_function()
 
     def _params(self) -> list[torch.Tensor]:
         return [p for g in self.param_groups for p in g["params"]]
@@ -188,23 +222,33 @@ class SharedOptimizer(torch.optim.Optimizer):
             if self.encoder is None:
                 self._dense_step(before, failure)
             else:
-                messages = exchange_messages(
-                    message,
-                    self.numel,
-                    group=self.group,
-                    timeout=self.timeout,
-                    device=self.device,
-                    failure=failure,
-                )
-                codec.subtract_sum_(
-                    messages, before, self._scratch, divisor=self._divisor(),
-                    names=rank_names(len(messages)),
-                )  # fmt: skip
+                self._share(message, before, failure)
                 self.bytes_sent += 0 if message is None else message.numel() * 4
         finally:  # the parameters before the local step, minus the shared sum if it applied
             self._unflatten(before, params)
         self.iteration += 1
         return loss
+
+    def _share(
+        self, message: torch.Tensor | None, before: torch.Tensor, failure: BaseException | None
+    ) -> None:
+        """Exchange, validate, and step ``before -= Σ decoded / divisor``. If the exchange or
+        a peer's message fails, this rank's own message goes back into its residual (the
+        parameters are put back too): nothing of it is lost for a job that catches the error,
+        checkpoints and resumes."""
+        try:
+            messages = exchange_messages(
+                message, self.numel, group=self.group, timeout=self.timeout,
+                device=self.device, failure=failure,
+            )  # fmt: skip
+            codec.subtract_sum_(
+                messages, before, self._scratch, divisor=self._divisor(),
+                names=rank_names(len(messages)),
+            )  # fmt: skip
+        except BaseException:
+            if message is not None and self.encoder is not None:
+                codec.decode_(message, self.encoder.residual)  # type: ignore[arg-type]
+            raise
 
     def _divisor(self) -> int:
         return dist.get_world_size(self.group) if self.reduction == "mean" else 1
@@ -223,33 +267,49 @@ class SharedOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------ checkpointing
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's wrapped optimizer, residual and threshold state: every rank saves its own."""
-        return {
-            "optimizer": self.optim.state_dict(),
+        """The wrapped optimizer's ``state_dict()`` (torch's schema: ``state`` and
+        ``param_groups``), plus this rank's residual, threshold state and counters under the
+        key ``"gradshare"``: every rank saves its own."""
+        saved = self.optim.state_dict()
+        saved[_KEY] = {
             "encoder": None if self.encoder is None else self.encoder.state_dict(),
             "iteration": self.iteration,
             "bytes_sent": self.bytes_sent,
             "numel": self.numel,
+            "world_size": dist.get_world_size(self.group),
+            "rank": dist.get_rank(self.group),
         }
+        return saved
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore this rank's :meth:`state_dict`; on a mismatch raise and change nothing."""
-        if state_dict.get("numel") != self.numel:
+        """Restore this rank's :meth:`state_dict`; on any mismatch raise and change nothing.
+
+        Also reads the schema of gradshare 0.1 (``{"optimizer": ..., "encoder": ...}``).
+        """
+        optim_state, ours = _split_state(state_dict)
+        if ours.get("numel") != self.numel:
             raise ValueError(
-                f"Checkpoint shares {state_dict.get('numel')} elements, this optimizer "
+                f"Checkpoint shares {ours.get('numel')} elements, this optimizer "
                 f"{self.numel}: it is of another model."
             )
-        if (state_dict["encoder"] is None) != (self.encoder is None):
+        world, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        saved_at = (ours.get("world_size", world), ours.get("rank", rank))
+        if saved_at != (world, rank):
             raise ValueError(
-                "Checkpoint and optimizer differ in mode (encoded vs dense `threshold=None`)."
+                f"Checkpoint was saved by rank {saved_at[1]} of {saved_at[0]}, this is rank "
+                f"{rank} of {world}: each rank loads the file its own rank saved, in a world "
+                "of the same size (another size would drop or invent residuals)."
             )
-        if self.encoder is not None:
+        if (ours["encoder"] is None) != (self.encoder is None):
+            raise ValueError("Checkpoint and optimizer differ in mode (encoded vs `dense=True`).")
+        if self.encoder is not None:  # everything that can refuse runs before any change
             probe = Encoder(self.encoder.algorithm.clone(), self.encoder.post_processor)
-            probe.load_state_dict(state_dict["encoder"])
-            self.encoder.load_state_dict(state_dict["encoder"])
-        self.optim.load_state_dict(state_dict["optimizer"])
-        self.iteration = int(state_dict["iteration"])
-        self.bytes_sent = int(state_dict["bytes_sent"])
+            probe.load_state_dict(ours["encoder"])
+        self.optim.load_state_dict(optim_state)  # refuses before changing anything
+        if self.encoder is not None:
+            self.encoder.load_state_dict(ours["encoder"])
+        self.iteration = int(ours["iteration"])
+        self.bytes_sent = int(ours["bytes_sent"])
 
     def __repr__(self) -> str:
         algorithm = None if self.encoder is None else self.encoder.algorithm

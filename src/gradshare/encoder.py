@@ -15,7 +15,7 @@ import torch
 
 from gradshare import codec
 from gradshare.residual import NoResidualProcessing, ResidualPostProcessor
-from gradshare.threshold import AdaptiveThreshold, ThresholdAlgorithm
+from gradshare.threshold import ThresholdAlgorithm, resolve
 
 __all__ = ["EncodeStats", "Encoder"]
 
@@ -67,8 +67,9 @@ class Encoder:
     decoded messages plus the residual plus the clipped mass, to float rounding.
 
     Args:
-        threshold: the threshold algorithm (default :class:`AdaptiveThreshold`). It is owned by
-            this encoder: pass a fresh one per worker.
+        threshold: the threshold algorithm (None:
+            :func:`gradshare.threshold.default_threshold`). It is owned by this encoder: pass a
+            fresh one per worker.
         post_processor: residual post-processing after each message (default none).
         boundary: the most entries a sparse message may carry, or None.
 
@@ -89,14 +90,7 @@ class Encoder:
         boundary: int | None = None,
     ) -> None:
         codec.check_boundary(boundary)
-        if threshold is not None and not isinstance(threshold, ThresholdAlgorithm):
-            raise TypeError(
-                f"Expect `threshold` to be a ThresholdAlgorithm, got {type(threshold).__name__}:"
-                " wrap a number as FixedThreshold(t)."
-            )
-        self.algorithm: ThresholdAlgorithm = (
-            threshold if threshold is not None else AdaptiveThreshold()
-        )
+        self.algorithm: ThresholdAlgorithm = resolve(threshold)
         self.post_processor: ResidualPostProcessor = post_processor or NoResidualProcessing()
         self.boundary = boundary
         self.residual: torch.Tensor | None = None
@@ -212,6 +206,11 @@ class Encoder:
         if residual is not None:
             if not isinstance(residual, torch.Tensor) or residual.dim() != 1:
                 raise ValueError("Expect `residual` in the state to be a 1-D tensor.")
+            if not bool(torch.isfinite(residual).all()):
+                raise ValueError(
+                    "Saved residual has non-finite values: those elements could never cross "
+                    "the threshold again. The checkpoint is corrupted; resume from another."
+                )
             if self.residual is not None and residual.numel() != self.residual.numel():
                 raise ValueError(
                     f"Saved residual has {residual.numel()} elements, this encoder's has "

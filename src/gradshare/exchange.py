@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from gradshare import codec
+from gradshare.accumulator import to_seconds
 
 __all__ = ["ExchangeError", "Pipeline", "exchange_messages", "largest_message", "rank_names"]
 
@@ -73,7 +74,7 @@ def exchange_messages(
     numel: int,
     *,
     group: Any = None,
-    timeout: timedelta = timedelta(seconds=300),
+    timeout: float | timedelta | None = None,
     device: torch.device | None = None,
     failure: BaseException | None = None,
 ) -> list[torch.Tensor | None]:
@@ -90,6 +91,7 @@ def exchange_messages(
             longer message than any valid one (nothing is allocated for it), or a collective
             failed or timed out.
     """
+    timeout = timedelta(seconds=to_seconds(timeout))
     rank = dist.get_rank(group)
     world = dist.get_world_size(group)
     if device is None:

@@ -24,7 +24,7 @@ from torch import nn
 from gradshare import codec, threads
 from gradshare.accumulator import AccumulatorError, EncodedGradientsAccumulator
 from gradshare.residual import ResidualPostProcessor
-from gradshare.threshold import AdaptiveThreshold, ThresholdAlgorithm
+from gradshare.threshold import ThresholdAlgorithm
 
 __all__ = ["ParallelWrapper", "StepStats"]
 
@@ -75,14 +75,16 @@ class ParallelWrapper:
         optimizer_factory: ``params -> torch.optim.Optimizer``, called once per replica.
         loss_fn: ``(output, target) -> scalar loss``.
         num_workers: replicas and threads.
-        threshold: the threshold algorithm (cloned per worker); None shares exact dense
-            updates, the oracle the encoded mode is compared to.
+        threshold: the threshold algorithm (cloned per worker; None:
+            :func:`gradshare.threshold.default_threshold`).
+        dense: share exact dense updates instead, the oracle the encoded mode is compared to.
         post_processor: residual post-processing (cloned per worker).
         devices: one device per worker; default one per GPU when several are present, else
             the model's device for all.
         reduction: ``"sum"`` (DL4J: each worker's update applies in full) or ``"mean"``.
         boundary: the most entries a sparse message may carry.
-        timeout: seconds (or a timedelta) a worker waits for the others before failing.
+        timeout: seconds (or a timedelta) a worker waits for the others before failing
+            (default :data:`gradshare.accumulator.DEFAULT_TIMEOUT`).
 
     Example::
 
@@ -100,7 +102,8 @@ class ParallelWrapper:
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
         *,
         num_workers: int = 2,
-        threshold: ThresholdAlgorithm | None = AdaptiveThreshold(1e-3),  # noqa: B008 - cloned
+        threshold: ThresholdAlgorithm | None = None,
+        dense: bool = False,
         post_processor: ResidualPostProcessor | None = None,
         devices: Sequence[torch.device | str] | None = None,
         reduction: Literal["sum", "mean"] = "sum",
@@ -138,6 +141,7 @@ class ParallelWrapper:
         self.accumulator = EncodedGradientsAccumulator(
             num_workers,
             threshold=threshold,
+            dense=dense,
             post_processor=post_processor,
             boundary=boundary,
             reduction=reduction,

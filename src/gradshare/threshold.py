@@ -17,11 +17,13 @@ from typing import Any, ClassVar
 
 __all__ = [
     "DEFAULT_DECAY",
+    "DEFAULT_INITIAL",
     "THRESHOLD_SPAN",
     "AdaptiveThreshold",
     "FixedThreshold",
     "TargetSparsityThreshold",
     "ThresholdAlgorithm",
+    "default_threshold",
 ]
 
 DEFAULT_DECAY = 0.5 ** (1 / 20)
@@ -340,3 +342,43 @@ class FixedThreshold(ThresholdAlgorithm):
         if last_sparsity is not None:
             self.last_sparsity = last_sparsity
         return self.threshold
+
+
+DEFAULT_INITIAL = 1e-3
+"""The initial threshold of :func:`default_threshold`."""
+
+
+def default_threshold() -> AdaptiveThreshold:
+    """The algorithm every gradshare component uses when given ``threshold=None``:
+    ``AdaptiveThreshold(DEFAULT_INITIAL)``, DL4J's adaptive rule started at 1e-3.
+
+    (``AdaptiveThreshold()`` itself keeps DL4J's own initial value, 1e-4, which is too small for
+    typical updates: its first messages are all bitmaps of ±t steps.)
+    """
+    return AdaptiveThreshold(DEFAULT_INITIAL)
+
+
+def resolve(threshold: ThresholdAlgorithm | None) -> ThresholdAlgorithm:
+    """``threshold`` checked, or :func:`default_threshold` for None (a fresh instance)."""
+    if threshold is None:
+        return default_threshold()
+    if not isinstance(threshold, ThresholdAlgorithm):
+        raise TypeError(
+            f"Expect `threshold` to be a ThresholdAlgorithm or None, got "
+            f"{type(threshold).__name__}: wrap a number as FixedThreshold(t)."
+        )
+    return threshold
+
+
+def resolve_or_dense(
+    threshold: ThresholdAlgorithm | None, dense: bool
+) -> ThresholdAlgorithm | None:
+    """The algorithm to encode with, or None for the dense oracle (``dense=True``)."""
+    if dense:
+        if threshold is not None:
+            raise ValueError(
+                "Expect no `threshold` with `dense=True` (dense sharing sends every update "
+                f"exactly), got {threshold!r}."
+            )
+        return None
+    return resolve(threshold)

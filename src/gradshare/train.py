@@ -220,6 +220,7 @@ def _run_parallel(config: TrainConfig, name: str, split: Split, bar: Any) -> Run
         F.cross_entropy,
         num_workers=config.workers,
         threshold=None if name == "dense" else parse_threshold(config.threshold),
+        dense=name == "dense",
         post_processor=None if name == "dense" else parse_clip(config.clip),
     )
     for epoch in range(config.epochs):
@@ -261,6 +262,7 @@ def _rank_main(rank: int, config: TrainConfig, name: str, port: int, tmp: str) -
     opt = SharedOptimizer(
         OPTIMIZERS[config.optimizer](model.parameters(), config.lr),
         threshold=None if name == "dense" else parse_threshold(config.threshold),
+        dense=name == "dense",
         post_processor=None if name == "dense" else parse_clip(config.clip),
     )
     result = RunResult(name)
