@@ -6,6 +6,7 @@ import io
 import pickle
 import time
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -199,3 +200,66 @@ class TestOverlap:
         zero, one = (r.get() for r in spawn(_rank_hook_fault, 2))
         assert "non-finite" in one, one
         assert "Rank 0" in zero and "rank(s) [1] failed" in zero, zero
+
+
+class TestRelayout:
+    """Residuals follow their parameters across bucket layouts: nothing is lost or mixed up."""
+
+    @staticmethod
+    def _state_with(residuals: dict[int, tuple[list, list[float]]]) -> ThresholdHookState:
+        state = ThresholdHookState()
+        for index, (layout, values) in residuals.items():
+            enc = state._encoder(index, layout, torch.device("cpu"))
+            enc.residual = torch.tensor(values)
+        return state
+
+    def test_buckets_swapping_their_parameters_keep_every_residual(self) -> None:
+        """Bucket 0's old layout shared no parameter with its new one, so its residual was
+        never taken apart and bucket 1's parameters lost theirs (sum 15 -> 12 here)."""
+        state = self._state_with({0: ([(0, 0, 2)], [1.0, 2.0]), 1: ([(0, 1, 3)], [3.0, 4.0, 5.0])})
+        cpu = torch.device("cpu")
+        first = state._encoder(0, [(0, 1, 3)], cpu)
+        assert first.residual is not None and first.residual.tolist() == [3.0, 4.0, 5.0]
+        second = state._encoder(1, [(0, 0, 2)], cpu)
+        assert second.residual is not None and second.residual.tolist() == [1.0, 2.0]
+        assert not state.loose
+
+    def test_parameter_of_another_size_is_refused_before_anything_moves(self) -> None:
+        state = self._state_with({0: ([(0, 0, 2), (0, 1, 3)], [1.0, 2.0, 3.0, 4.0, 5.0])})
+        restored = ThresholdHookState()
+        restored.load_state_dict(state.state_dict())
+        with pytest.raises(ValueError, match="another model"):
+            restored._encoder(0, [(0, 0, 2), (0, 1, 4)], torch.device("cpu"))
+        assert restored.encoders[0].residual is not None
+        assert restored.encoders[0].residual.tolist() == [1.0, 2.0, 3.0, 4.0, 5.0]
+        assert restored.layouts[0] == [(0, 0, 2), (0, 1, 3)]
+
+    def test_corrupted_state_refused_whole(self) -> None:
+        state = self._state_with({0: ([(0, 0, 2)], [1.0, 2.0])})
+        saved = state.state_dict()
+        saved["encoders"][0]["residual"] = torch.tensor([1.0, float("nan")])
+        restored = ThresholdHookState()
+        with pytest.raises(ValueError, match="non-finite"):
+            restored.load_state_dict(saved)
+        assert restored.encoders == {} and restored.iteration == 0
+        saved = state.state_dict()
+        saved["layouts"][0] = [[0, 0, 3]]
+        with pytest.raises(ValueError, match="corrupted"):
+            restored.load_state_dict(saved)
+
+
+def _rank_other_rank_state(rank: int, world: int) -> str:
+    state = ThresholdHookState()
+    saved = state.state_dict()
+    assert (saved["world_size"], saved["rank"]) == (world, rank)
+    saved["rank"] = 1 - rank
+    try:
+        ThresholdHookState().load_state_dict(saved)
+    except ValueError as e:
+        return str(e)
+    return "loaded"
+
+
+def test_hook_state_of_another_rank_is_refused() -> None:
+    for r in spawn(_rank_other_rank_state, 2):
+        assert "saved by rank" in r.get()

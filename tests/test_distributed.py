@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
@@ -373,3 +374,33 @@ def test_destroy_process_group_stops_gloo_threads() -> None:
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("mode", ["shared", "hook"])
+def test_rank_exits_promptly_after_a_timed_out_exchange(mode: str) -> None:
+    """`work.wait(timeout)` left the gloo operation running, so a rank that got the
+    ExchangeError could not exit (not even after destroy_process_group) until gloo's own
+    timeout, 30 minutes with a plain init_process_group. It must leave within seconds."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = str(Path(__file__).resolve().parent / "fault_exit.py")
+    procs = []
+    for rank in (0, 1):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}  # fmt: skip
+        procs.append(subprocess.Popen([sys.executable, script, mode], env=env, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))  # fmt: skip
+    try:
+        out, err = procs[0].communicate(timeout=90)
+        assert "raised" in out, err[-3000:]
+        assert "ExchangeError" in out or "Rank 0" in out, out
+        left = float(out.split("leaving ")[1].split()[0])
+        assert procs[0].returncode == 0, err[-3000:]
+        assert time.monotonic() - left < 20  # the process ended soon after it decided to leave
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()

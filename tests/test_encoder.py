@@ -12,6 +12,7 @@ from gradshare import (
     AdaptiveThreshold,
     Encoder,
     FixedThreshold,
+    QuantileThreshold,
     ResidualClipping,
     TargetSparsityThreshold,
     decode_,
@@ -244,3 +245,58 @@ def test_import_starts_nothing() -> None:
         "assert not torch.distributed.is_initialized()\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+class TestQuantileThreshold:
+    """t from a sample of |residual + update|: about `density` of the elements go out from the
+    first step, at any scale, and the messages are ordinary DL4J messages."""
+
+    @pytest.mark.parametrize("scale", [1e-6, 1.0, 1e4])
+    def test_density_from_the_first_step(self, scale: float) -> None:
+        g = torch.Generator().manual_seed(0)
+        enc = Encoder(QuantileThreshold(density=0.01))
+        for step in range(5):
+            update = torch.randn(200_000, generator=g) * scale
+            message = enc.encode(update, step)
+            assert message is not None and enc.last_stats is not None
+            assert enc.last_stats.format == "sparse"
+            assert 0.007 < enc.last_stats.density < 0.013, enc.last_stats
+
+    def test_conservation_and_decodable(self) -> None:
+        g = torch.Generator().manual_seed(1)
+        enc = Encoder(QuantileThreshold(density=0.02, sample=500))
+        total, decoded = torch.zeros(5000, dtype=torch.float64), torch.zeros(5000)
+        for step in range(20):
+            update = torch.randn(5000, generator=g)
+            total += update.double()
+            message = enc.encode(update, step)
+            if message is not None:
+                decode_(message, decoded)
+        assert enc.residual is not None
+        gap = (total - decoded.double() - enc.residual.double()).abs().max()
+        assert float(gap) < 1e-4
+
+    def test_zero_updates_send_nothing(self) -> None:
+        enc = Encoder(QuantileThreshold())
+        for step in range(3):
+            assert enc.encode(torch.zeros(1000), step) is None
+
+    def test_resume_continues_bit_for_bit(self) -> None:
+        g = torch.Generator().manual_seed(2)
+        updates = [torch.randn(30_000, generator=g) for _ in range(6)]
+        whole = Encoder(QuantileThreshold(0.005))
+        first = Encoder(QuantileThreshold(0.005))
+        for i, u in enumerate(updates[:3]):
+            whole.encode(u, i), first.encode(u, i)
+        resumed = Encoder(QuantileThreshold(0.005))
+        resumed.load_state_dict(first.state_dict())
+        for i, u in enumerate(updates[3:], start=3):
+            a, b = whole.encode(u, i), resumed.encode(u, i)
+            assert a is not None and b is not None and torch.equal(a, b)
+
+    def test_settings_checked(self) -> None:
+        for bad in (0, 1 / 16, 0.5, -0.1):
+            with pytest.raises(ValueError, match="density"):
+                QuantileThreshold(density=bad)
+        with pytest.raises(ValueError, match="sample"):
+            QuantileThreshold(sample=10)

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import pickle
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -111,11 +115,18 @@ def test_distributed_results_load_weights_only(
     default (TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD), so a planted file ran code."""
     ran = tmp_path / "ran"
 
-    def spawn(fn: object, args: tuple, nprocs: int) -> None:  # the ranks' files, tampered
+    class Finished:
+        processes = ()
+
+        def join(self) -> bool:
+            return True
+
+    def start(fn: object, args: tuple, nprocs: int, **_: object) -> Finished:  # tampered files
         for rank in range(nprocs):
             torch.save({"epochs": [], "rows": [Hostile(ran)]}, Path(args[-1]) / f"rank{rank}.pt")
+        return Finished()
 
-    monkeypatch.setattr(torch.multiprocessing, "spawn", spawn)
+    monkeypatch.setattr(torch.multiprocessing, "start_processes", start)
     monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
     config = train.TrainConfig(mode="distributed", workers=2, epochs=1)
     with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
@@ -158,3 +169,36 @@ def test_bench_unknown_name_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
         main(["bench", "nosuch"])
     assert exit_info.value.code == 2
     assert "invalid choice" in capsys.readouterr().err
+
+
+def _children(pid: int) -> list[int]:
+    kids: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):
+            kids += [int(k) for k in (task / "children").read_text().split()]
+    return kids
+
+
+def test_ctrl_c_to_the_parent_stops_every_rank(tmp_path: Path) -> None:
+    """SIGINT to `gradshare train --mode distributed` alone left it waiting forever on ranks
+    that kept training; now it stops them, says so in one line and exits 130."""
+    cmd = [sys.executable, "-m", "gradshare.cli", "train", "--mode", "distributed",
+           "--workers", "2", "--epochs", "200", "--out", str(tmp_path), *QUIET]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        ranks: list[int] = []
+        while time.monotonic() < deadline and len(ranks) < 2:  # the spawner plus 2 ranks
+            time.sleep(0.5)
+            ranks = [k for k in _children(proc.pid)
+                     if "spawn_main" in Path(f"/proc/{k}/cmdline").read_text()]  # fmt: skip
+        assert len(ranks) == 2, "the ranks did not start"
+        time.sleep(3)  # training
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err[-2000:]
+    assert "interrupted" in err
+    for k in ranks:
+        assert not Path(f"/proc/{k}").exists() or "zombie" in Path(f"/proc/{k}/status").read_text()

@@ -33,6 +33,7 @@ from gradshare.tail import IndexedTail
 from gradshare.threshold import (
     AdaptiveThreshold,
     FixedThreshold,
+    QuantileThreshold,
     TargetSparsityThreshold,
     ThresholdAlgorithm,
 )
@@ -55,6 +56,7 @@ __all__ = [
     # threshold algorithms
     "AdaptiveThreshold",
     "FixedThreshold",
+    "QuantileThreshold",
     "TargetSparsityThreshold",
     "ThresholdAlgorithm",
     # residual post-processing

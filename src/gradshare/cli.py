@@ -215,6 +215,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as e:
         print(f"gradshare {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"gradshare {args.command}: interrupted; every worker was stopped", file=sys.stderr)
+        return 130
     return 0
 
 

@@ -15,7 +15,6 @@ with the ones DDP itself issues from the backward thread).
 import copy
 import functools
 import logging
-import weakref
 from datetime import timedelta
 from typing import Any
 
@@ -26,7 +25,14 @@ from torch.nn.parallel import DistributedDataParallel
 from gradshare import codec, threads
 from gradshare.accumulator import to_seconds
 from gradshare.encoder import Encoder
-from gradshare.exchange import Pipeline, exchange_messages, rank_names, wait
+from gradshare.exchange import (
+    Pipeline,
+    PrivateGroup,
+    exchange_messages,
+    rank_names,
+    take_back,
+    wait,
+)
 from gradshare.residual import ResidualPostProcessor
 from gradshare.threshold import ThresholdAlgorithm, resolve
 
@@ -132,27 +138,19 @@ class ThresholdHookState:
         self._buffers: dict[int, torch.Tensor] = {}  # per bucket: float32 sums of fp16 grads
         self._pipeline = Pipeline("gradshare-ddp-exchange")
         self._counted = False  # the ranks on this host are counted (for the kernels' threads)
-        self._group: Any = None
-        """A weak reference to the private twin of ``process_group`` that the pipeline's
-        collectives use (made lazily): ``destroy_process_group()`` frees it with the others,
-        so that no gloo thread outlives the interpreter (it aborts the process at exit)."""
+        self._group: PrivateGroup | None = None
+        """The private twin of ``process_group`` the pipeline's collectives use."""
 
     def _exchange_group(self) -> Any:
-        """This state's private group over the ranks of ``process_group`` (made on first use).
-
-        Called from the hook, so every rank of the group makes it at the same point; only
-        those ranks take part (``use_local_synchronization``).
-        """
-        group = None if self._group is None else self._group()
-        if group is None:
-            ranks = dist.get_process_group_ranks(self.process_group or dist.group.WORLD)
-            group = dist.new_group(ranks, timeout=self.timeout, use_local_synchronization=True)
-            self._group = weakref.ref(group)
+        """The private twin of ``process_group`` the pipeline's collectives use (made on the
+        first call, from the hook, so every rank of the group makes it at the same point)."""
+        if self._group is None:
+            self._group = PrivateGroup(self.process_group, self.timeout)
             logger.info(
                 "threshold hook: %s, exact all-reduce for %d iteration(s), exchanges over a "
-                "private group of ranks %s", self.threshold, self.start_iter, ranks,
+                "private group", self.threshold, self.start_iter,
             )  # fmt: skip
-        return group
+        return self._group.get()
 
     def _buffer(self, index: int, like: torch.Tensor) -> torch.Tensor:
         """Bucket ``index``'s float32 buffer for sums of gradients of another dtype."""
@@ -185,10 +183,23 @@ class ThresholdHookState:
         return enc
 
     def _relayout(self, index: int, layout: list[Slot], device: torch.device) -> None:
-        """Reassemble bucket ``index``'s residual for ``layout``, parameter by parameter."""
+        """Reassemble bucket ``index``'s residual for ``layout``, parameter by parameter.
+
+        Every residual holding one of the wanted parameters, and the bucket's own previous
+        one whatever it holds, is taken apart into per-parameter pieces first; the pieces not
+        wanted here wait in ``loose`` for their parameters' new bucket.
+        """
+        sizes = {(b, j): n for slots in self.layouts.values() for b, j, n in slots}
+        sizes.update({key: piece.numel() for key, piece in self.loose.items()})
+        for b, j, n in layout:  # refuse before anything moves
+            if sizes.get((b, j), n) != n:
+                raise ValueError(
+                    f"The residual kept for parameter ({b}, {j}) has {sizes[(b, j)]} elements, "
+                    f"the parameter now has {n}: the hook state is of another model."
+                )
         wanted = {slot[:2] for slot in layout}
-        for i, slots in list(self.layouts.items()):  # free every residual holding a wanted one
-            if wanted.isdisjoint(slot[:2] for slot in slots):
+        for i, slots in list(self.layouts.items()):
+            if i != index and wanted.isdisjoint(slot[:2] for slot in slots):
                 continue
             residual, offset = self.encoders[i].residual, 0
             for b, j, n in slots:
@@ -216,7 +227,8 @@ class ThresholdHookState:
     # ------------------------------------------------------------------ checkpointing
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's residuals (with their layouts), threshold states, counters."""
+        """This rank's residuals (with their layouts), threshold states, counters, and the
+        world size and rank that saved them."""
         return {
             "iteration": self.iteration,
             "bytes_sent": self.bytes_sent,
@@ -224,24 +236,47 @@ class ThresholdHookState:
             "encoders": {i: e.state_dict() for i, e in self.encoders.items()},
             "layouts": {i: [list(slot) for slot in slots] for i, slots in self.layouts.items()},
             "loose": {f"{b},{j}": t.clone() for (b, j), t in self.loose.items()},
+            **_world_and_rank(self.process_group),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict` (into a state registered on a fresh DDP model)."""
-        encoders = {}
-        for i, saved in state["encoders"].items():
-            enc = Encoder(self.threshold.clone(), _clone(self.post_processor), self.boundary)
-            enc.load_state_dict(saved)
-            encoders[int(i)] = enc
-        self.encoders = encoders
-        self.layouts = {
+        """Restore a :meth:`state_dict` (into a state registered on a fresh DDP model).
+
+        Everything is checked before anything changes: the saving rank and world size, each
+        residual against its layout, every piece finite. A parameter whose size differs from
+        the saved piece is refused when its bucket first arrives (the checkpoint is of
+        another model).
+        """
+        here = _world_and_rank(self.process_group)
+        saved_at = {k: state.get(k, v) for k, v in here.items()}
+        if saved_at != here:
+            raise ValueError(
+                f"Hook state was saved by rank {saved_at['rank']} of {saved_at['world_size']}, "
+                f"this is rank {here['rank']} of {here['world_size']}: each rank loads the "
+                "state its own rank saved, in a world of the same size."
+            )
+        layouts = {
             int(i): [(int(b), int(j), int(n)) for b, j, n in slots]
             for i, slots in state["layouts"].items()
         }
-        self.loose = {}
+        encoders = {}
+        for i, saved in state["encoders"].items():
+            enc = Encoder(self.threshold.clone(), _clone(self.post_processor), self.boundary)
+            enc.load_state_dict(saved)  # refuses a non-finite residual
+            size = sum(n for _, _, n in layouts.get(int(i), []))
+            if enc.residual is not None and enc.residual.numel() != size:
+                raise ValueError(
+                    f"Hook state of bucket {i} holds a residual of {enc.residual.numel()} "
+                    f"elements for parameters of {size}: the checkpoint is corrupted."
+                )
+            encoders[int(i)] = enc
+        loose = {}
         for key, t in state["loose"].items():
             b, j = key.split(",")
-            self.loose[(int(b), int(j))] = t.clone()
+            if not isinstance(t, torch.Tensor) or t.dim() != 1 or not bool(t.isfinite().all()):
+                raise ValueError(f"Hook state's residual of parameter {key} is not finite 1-D.")
+            loose[(int(b), int(j))] = t.clone()
+        self.encoders, self.layouts, self.loose = encoders, layouts, loose
         self.iteration = int(state["iteration"])
         self.bytes_sent = int(state["bytes_sent"])
         self.dense_bytes = int(state["dense_bytes"])
@@ -263,6 +298,12 @@ class ThresholdHookState:
         self._reset_process_local()
         for k, v in state.items():
             setattr(self, k, v)
+
+
+def _world_and_rank(group: Any) -> dict[str, int]:
+    if not dist.is_initialized():
+        return {}
+    return {"world_size": dist.get_world_size(group), "rank": dist.get_rank(group)}
 
 
 def _clone(post_processor: ResidualPostProcessor | None) -> ResidualPostProcessor | None:
@@ -360,7 +401,7 @@ def _exchange_bucket(
             codec.decode_sum_(messages, total, divisor=world, names=rank_names(world))
         except BaseException:  # this rank's message goes back: nothing of it is lost
             if message is not None:
-                codec.decode_(message, state.encoders[index].residual)  # type: ignore[arg-type]
+                take_back(message, state.encoders[index].residual)  # type: ignore[arg-type]
             raise
         out = total if total is grad else grad.copy_(total)
         state.bytes_sent += 0 if message is None else 4 * message.numel()

@@ -28,7 +28,7 @@ import torch.distributed.nn.functional
 from gradshare import codec, threads
 from gradshare.accumulator import to_seconds
 from gradshare.encoder import Encoder, EncodeStats
-from gradshare.exchange import exchange_messages, rank_names, wait
+from gradshare.exchange import PrivateGroup, exchange_messages, rank_names, take_back, wait
 from gradshare.residual import ResidualPostProcessor
 from gradshare.threshold import ThresholdAlgorithm, resolve_or_dense
 
@@ -125,6 +125,8 @@ class SharedOptimizer(torch.optim.Optimizer):
         self.defaults = optimizer.defaults
         self._init_hooks()
         self.group = process_group
+        self._private = PrivateGroup(process_group, timedelta(seconds=to_seconds(timeout)))
+        """Where the exchanges run: gloo ends a stuck one at this optimizer's timeout."""
         self.reduction = reduction
         self.timeout = timedelta(seconds=to_seconds(timeout))
         self.encoder = None if algorithm is None else Encoder(algorithm.clone(), post_processor)
@@ -142,7 +144,7 @@ class SharedOptimizer(torch.optim.Optimizer):
         self._update = torch.empty_like(self._before)
         self._scratch = torch.zeros_like(self._before)
         """Zeros, for :func:`gradshare.codec.subtract_sum_`."""
-        threads.count_ranks_on_host(self.group)  # the kernels' share of this host's cores
+        threads.count_ranks_on_host(self._private.get())  # the kernels' share of the host
         self._broadcast_from_rank0(params)
 
     # ------------------------------------------------------------------ set-up
@@ -170,11 +172,11 @@ class SharedOptimizer(torch.optim.Optimizer):
     def _broadcast_from_rank0(self, params: list[torch.Tensor]) -> None:
         rank = dist.get_rank(self.group)
         exchange_messages(
-            None, self.numel, group=self.group, timeout=self.timeout, device=self.device
+            None, self.numel, group=self._private.get(), timeout=self.timeout, device=self.device
         )
         flat = _flat_params(params, self._before)
         src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
-        work = dist.broadcast(flat, src=src, group=self.group, async_op=True)
+        work = dist.broadcast(flat, src=src, group=self._private.get(), async_op=True)
         wait(work, self.timeout, "parameter broadcast", rank)
         self._unflatten(flat, params)
 
@@ -238,7 +240,7 @@ class SharedOptimizer(torch.optim.Optimizer):
         checkpoints and resumes."""
         try:
             messages = exchange_messages(
-                message, self.numel, group=self.group, timeout=self.timeout,
+                message, self.numel, group=self._private.get(), timeout=self.timeout,
                 device=self.device, failure=failure,
             )  # fmt: skip
             codec.subtract_sum_(
@@ -247,7 +249,7 @@ class SharedOptimizer(torch.optim.Optimizer):
             )  # fmt: skip
         except BaseException:
             if message is not None and self.encoder is not None:
-                codec.decode_(message, self.encoder.residual)  # type: ignore[arg-type]
+                take_back(message, self.encoder.residual)  # type: ignore[arg-type]
             raise
 
     def _divisor(self) -> int:
@@ -256,10 +258,10 @@ class SharedOptimizer(torch.optim.Optimizer):
     def _dense_step(self, before: torch.Tensor, failure: BaseException | None) -> None:
         """The oracle: all-reduce the exact update (after the same status and size check)."""
         exchange_messages(
-            None, self.numel, group=self.group, timeout=self.timeout, device=self.device,
-            failure=failure,
+            None, self.numel, group=self._private.get(), timeout=self.timeout,
+            device=self.device, failure=failure,
         )  # fmt: skip
-        work = dist.all_reduce(self._update, group=self.group, async_op=True)
+        work = dist.all_reduce(self._update, group=self._private.get(), async_op=True)
         wait(work, self.timeout, "dense all-reduce", dist.get_rank(self.group))
         before.sub_(self._update.div_(self._divisor()))
         self.bytes_sent += 4 * self.numel

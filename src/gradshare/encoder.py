@@ -153,6 +153,8 @@ class Encoder:
         residual = self.residual
         assert residual is not None
         n = residual.numel()
+        if self.algorithm.samples:
+            self.algorithm.observe(_sample(residual, u, self.algorithm.samples, iteration))
         t = codec.float32_threshold(
             self.algorithm.calculate_threshold(iteration, epoch, *self._last)
         )
@@ -230,6 +232,17 @@ class Encoder:
             self.residual = residual.detach().to(torch.float32).clone()
         else:
             self.residual.copy_(residual)
+
+
+def _sample(residual: torch.Tensor, u: torch.Tensor, k: int, iteration: int) -> torch.Tensor:
+    """``|residual + u|`` at about ``k`` evenly spread elements (all when N <= k), starting at
+    an offset that moves with ``iteration`` (so no element is always skipped)."""
+    n = residual.numel()
+    if n <= k:
+        return (residual + u).abs()
+    stride = n // k
+    start = (iteration * 7919) % stride
+    return (residual[start::stride] + u[start::stride]).abs()
 
 
 def _check_finite(u: torch.Tensor) -> None:

@@ -20,6 +20,7 @@ goes on (the DDP hook: bucket k is exchanged while backward computes bucket k+1)
 from __future__ import annotations
 
 import atexit
+import contextlib
 import queue
 import threading
 import time
@@ -34,7 +35,15 @@ import torch.distributed as dist
 from gradshare import codec
 from gradshare.accumulator import to_seconds
 
-__all__ = ["ExchangeError", "Pipeline", "exchange_messages", "largest_message", "rank_names"]
+__all__ = [
+    "ExchangeError",
+    "Pipeline",
+    "PrivateGroup",
+    "exchange_messages",
+    "largest_message",
+    "rank_names",
+    "take_back",
+]
 
 _OK, _FAILED = 0, 1
 T = TypeVar("T")
@@ -139,6 +148,54 @@ def exchange_messages(
         rank,
     )
     return [m[: h[1]] if h[1] else None for h, m in zip(table, gathered, strict=True)]
+
+
+def take_back(message: torch.Tensor, residual: torch.Tensor) -> None:
+    """Put this rank's own ``message`` back into its ``residual`` after a failed exchange (the
+    sum was not applied), so that nothing of it is lost; a message that is itself invalid (a
+    corrupted one, refused by the exchange) is left out."""
+    with contextlib.suppress(codec.MessageError):
+        codec.decode_(message, residual)
+
+
+class PrivateGroup:
+    """A private twin of a process group, over the same ranks, whose own timeout is
+    gradshare's: made on first use, held weakly.
+
+    Two reasons to exchange over it rather than over the user's group. A gloo operation that
+    gradshare stopped waiting for keeps running until its group's own timeout (30 minutes
+    with a plain ``init_process_group("gloo")``), and until then the process cannot exit, not
+    even after ``destroy_process_group()``; on the twin it ends at gradshare's timeout. And
+    collectives that gradshare issues from a background thread never interleave with those
+    the user or DDP issue on theirs. Held weakly, so that ``destroy_process_group()`` frees
+    it with the others (a group that outlives the interpreter aborts the process at exit);
+    a later use makes a new one.
+
+    Its first use is a collective of the group's ranks (``use_local_synchronization``: only
+    they take part).
+    """
+
+    def __init__(self, group: Any, timeout: timedelta) -> None:
+        self.parent = group
+        self.timeout = timeout
+        self._ref: Any = None
+
+    def get(self) -> Any:
+        group = None if self._ref is None else self._ref()
+        if group is None:
+            ranks = dist.get_process_group_ranks(self.parent or dist.group.WORLD)
+            start = time.monotonic()
+            try:
+                group = dist.new_group(ranks, timeout=self.timeout, use_local_synchronization=True)
+            except Exception as e:
+                raise ExchangeError(
+                    f"Rank {dist.get_rank()}: making gradshare's exchange group over ranks "
+                    f"{ranks} failed after {time.monotonic() - start:.1f} s (timeout "
+                    f"{self.timeout.total_seconds():g} s): a peer has not started, raised, or "
+                    f"is gone. Original error: {type(e).__name__}: {e}"
+                ) from e
+            self._ref = weakref.ref(group)
+        return group
 
 
 _open: weakref.WeakSet[Pipeline] = weakref.WeakSet()

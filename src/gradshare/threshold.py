@@ -15,12 +15,15 @@ import math
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
+import torch
+
 __all__ = [
     "DEFAULT_DECAY",
     "DEFAULT_INITIAL",
     "THRESHOLD_SPAN",
     "AdaptiveThreshold",
     "FixedThreshold",
+    "QuantileThreshold",
     "TargetSparsityThreshold",
     "ThresholdAlgorithm",
     "default_threshold",
@@ -69,6 +72,10 @@ class ThresholdAlgorithm(abc.ABC):
     _settings_names: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self) -> None:
+        self.samples = 0
+        """How many magnitudes of the vector about to be encoded the algorithm wants to see
+        (:meth:`observe`) before each :meth:`calculate_threshold`; 0 for DL4J's algorithms,
+        which decide from the last message alone."""
         self.last_threshold: float | None = None
         """The threshold this algorithm returned last (None before the first call)."""
         self.last_sparsity: float | None = None
@@ -84,6 +91,9 @@ class ThresholdAlgorithm(abc.ABC):
         last_sparsity: float | None,
     ) -> float:
         """Return the threshold for the message of ``iteration``."""
+
+    def observe(self, magnitudes: torch.Tensor) -> None:  # noqa: B027 - optional
+        """See ``|residual + update|`` at evenly spread elements (only if :attr:`samples`)."""
 
     def settings(self) -> dict[str, float]:
         return {name: getattr(self, name) for name in self._settings_names}
@@ -342,6 +352,59 @@ class FixedThreshold(ThresholdAlgorithm):
         if last_sparsity is not None:
             self.last_sparsity = last_sparsity
         return self.threshold
+
+
+class QuantileThreshold(ThresholdAlgorithm):
+    """Set t every step so that a chosen fraction of the elements crosses it (sampled top-k).
+
+    Before each message the encoder shows this algorithm ``|residual + update|`` at up to
+    ``sample`` evenly spread elements; t is the magnitude that ``density`` of them reach, so
+    the message carries about ``density · N`` entries from the first step on, whatever the
+    scale of the updates (DGC's sampled top-k selection, Lin et al. 2018). DL4J's adaptive
+    rule instead moves t by at most 3.5% a step toward its band, which takes tens of steps
+    after a start or a change of scale. The messages are ordinary DL4J messages.
+
+    Args:
+        density: the fraction of elements to send, in (0, 1/16) (at 1/16 and above a bitmap is
+            smaller than the sparse message).
+        sample: how many elements to look at per step (>= 100).
+    """
+
+    _settings_names = ("density", "sample")
+
+    def __init__(self, density: float = 1e-2, sample: int = 16_384) -> None:
+        super().__init__()
+        if not (isinstance(density, (int, float)) and 0 < density < DENSE_SPARSITY):
+            raise ValueError(
+                f"Expect `density` in (0, 1/16), got {density!r}: at 1/16 or more a bitmap "
+                "message is smaller; use AdaptiveThreshold for such dense updates."
+            )
+        if isinstance(sample, bool) or not isinstance(sample, int) or sample < 100:
+            raise ValueError(f"Expect `sample` to be an int >= 100, got {sample!r}.")
+        self.density = float(density)
+        self.sample = self.samples = sample
+        self._quantile: float | None = None
+
+    def observe(self, magnitudes: torch.Tensor) -> None:
+        k = max(1, round(self.density * magnitudes.numel()))
+        q = float(torch.topk(magnitudes.reshape(-1).float(), k, sorted=False).values.min())
+        self._quantile = q if q > 0 and math.isfinite(q) else None
+
+    def calculate_threshold(
+        self,
+        iteration: int,
+        epoch: int,
+        last_threshold: float | None,
+        last_was_dense: bool | None,
+        last_sparsity: float | None,
+    ) -> float:
+        if last_sparsity is not None:
+            self.last_sparsity = last_sparsity
+        t = self._quantile
+        if t is None:  # nothing non-zero seen: keep the last t (nothing crosses it anyway)
+            t = self.last_threshold if self.last_threshold is not None else DEFAULT_INITIAL
+        self.last_threshold = t
+        return t
 
 
 DEFAULT_INITIAL = 1e-3

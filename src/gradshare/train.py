@@ -282,11 +282,33 @@ def _rank_main(rank: int, config: TrainConfig, name: str, port: int, tmp: str) -
     dist.destroy_process_group()
 
 
+def _stop(processes: list[Any], grace: float = 5.0) -> None:
+    """Terminate the ranks still running, and kill those that do not stop within ``grace``."""
+    for p in processes:
+        if p.is_alive():
+            p.terminate()
+    deadline = time.monotonic() + grace
+    for p in processes:
+        p.join(max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
 def _run_distributed(config: TrainConfig, name: str, split: Split, bar: Any) -> RunResult:
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_rank_main, args=(config, name, _free_port(), tmp), nprocs=config.workers)
+        context = mp.start_processes(
+            _rank_main, args=(config, name, _free_port(), tmp), nprocs=config.workers,
+            join=False, start_method="spawn",
+        )  # fmt: skip
+        try:
+            while not context.join():
+                pass
+        except BaseException:  # Ctrl-C (or a failed rank): stop every rank, then raise
+            _stop(context.processes)
+            raise
         # each rank saved plain dicts, lists, strings and numbers: nothing else may load
         parts = [
             torch.load(Path(tmp) / f"rank{r}.pt", weights_only=True) for r in range(config.workers)
