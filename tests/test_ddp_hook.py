@@ -105,7 +105,11 @@ def _rank_checkpoint(rank: int, world: int) -> bool:
     _train(whole, whole_opt, batches)
     first, first_opt, first_state = make()
     _train(first, first_opt, batches[:6])
-    pickle.dumps(first_state)  # the process group is left out, or this would raise
+    unpickled = pickle.loads(pickle.dumps(first_state))  # the process group is left out
+    assert unpickled.process_group is None and unpickled._group is None
+    assert unpickled.iteration == first_state.iteration and unpickled._first_pass
+    for i, enc in first_state.encoders.items():
+        assert torch.equal(unpickled.encoders[i].residual, enc.residual)
     buf = io.BytesIO()
     torch.save({"model": first.state_dict(), "opt": first_opt.state_dict(),
                 "hook": first_state.state_dict()}, buf)  # fmt: skip

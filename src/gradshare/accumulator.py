@@ -20,6 +20,7 @@ from typing import Any, Literal
 import torch
 
 from gradshare import codec
+from gradshare._checks import check_int
 from gradshare.encoder import Encoder, EncodeStats
 from gradshare.residual import ResidualPostProcessor
 from gradshare.tail import IndexedTail
@@ -52,8 +53,7 @@ def optimal_buffer_size(num_params: int, num_workers: int, queue_size: int) -> i
         ("num_workers", num_workers),
         ("queue_size", queue_size),
     ):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"Expect `{name}` to be an int >= 1, got {value!r}.")
+        check_int(value, name)
     return ((num_params // 16) + 65536) * num_workers * queue_size * 4
 
 
@@ -114,13 +114,11 @@ class EncodedGradientsAccumulator:
         reduction: Literal["sum", "mean"] = "sum",
         timeout: float | timedelta | None = None,
     ) -> None:
-        if isinstance(num_parties, bool) or not isinstance(num_parties, int) or num_parties < 1:
-            raise ValueError(f"Expect `num_parties` to be an int >= 1, got {num_parties!r}.")
+        check_int(num_parties, "num_parties")
         if reduction not in ("sum", "mean"):
             raise ValueError(f'Expect `reduction` "sum" or "mean", got {reduction!r}.')
         queue_size = DEFAULT_QUEUE_SIZE if queue_size is None else queue_size
-        if isinstance(queue_size, bool) or not isinstance(queue_size, int) or queue_size < 1:
-            raise ValueError(f"Expect `queue_size` to be an int >= 1, got {queue_size!r}.")
+        check_int(queue_size, "queue_size")
         algorithm = resolve_or_dense(threshold, dense)
         self.num_parties = num_parties
         self.dense = algorithm is None

@@ -71,6 +71,11 @@ MAX_NUMEL = 2**31 - 1
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _KERNEL_DTYPES = (torch.float32, torch.float64)
 _FORMAT_NAMES = {FLEXIBLE_ENCODING: "sparse", BITMAP_ENCODING: "bitmap"}
+_F32 = struct.Struct("<f")
+_I32 = struct.Struct("<i")
+_NO_WORDS = np.zeros(0, np.int32)
+_local = threading.local()
+"""Per thread: the codec functions' workspace and the serial-kernels flag."""
 
 
 class MessageError(ValueError):
@@ -185,11 +190,6 @@ def float32_threshold(threshold: float) -> float:
 def _threshold_bits(t: float) -> int:
     """The int32 reading of ``t``'s float32 bits (t already float32-representable)."""
     return int(_I32.unpack(_F32.pack(t))[0])
-
-
-_F32 = struct.Struct("<f")
-_I32 = struct.Struct("<i")
-_NO_WORDS = np.zeros(0, np.int32)
 
 
 _SMALL = 1 << 14
@@ -545,9 +545,6 @@ def _torch_bitmap_(residual: torch.Tensor, t: float) -> tuple[torch.Tensor, int,
     return words, sent, float(moved.double().square().sum())
 
 
-_local = threading.local()
-
-
 def _workspace() -> Workspace:
     ws = getattr(_local, "workspace", None)
     if ws is None:
@@ -766,7 +763,7 @@ def decode_(message: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     ):  # a small sparse message, checked and added in one call
         return target
     if isinstance(message, torch.Tensor) and message.device != target.device:
-        raise ValueError(
+        raise MessageError(
             f"Expect the message and `target` on one device, got {message.device} and "
             f"{target.device}: move the message with `.to(target.device)`."
         )

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from gradshare import codec, threads
+from gradshare._checks import check_int
 from gradshare.accumulator import to_seconds
 from gradshare.encoder import Encoder
 from gradshare.exchange import (
@@ -110,8 +111,7 @@ class ThresholdHookState:
         timeout: float | timedelta | None = None,
     ) -> None:
         threshold = resolve(threshold)
-        if isinstance(start_iter, bool) or not isinstance(start_iter, int) or start_iter < 0:
-            raise ValueError(f"Expect `start_iter` to be an int >= 0, got {start_iter!r}.")
+        check_int(start_iter, "start_iter", 0)
         codec.check_boundary(boundary)
         self.process_group = process_group
         self.threshold = threshold

@@ -58,13 +58,17 @@ def wait(work: Any, timeout: timedelta, what: str, rank: int) -> None:
     start = time.monotonic()
     try:
         work.wait(timeout)
+        return
     except Exception as e:
-        waited = time.monotonic() - start
-        raise ExchangeError(
-            f"Rank {rank}: the {what} failed after {waited:.1f} s (timeout "
-            f"{timeout.total_seconds():g} s): a peer raised, was killed, or the network is down. "
-            f"Original error: {type(e).__name__}: {e}"
-        ) from e
+        error = e
+    # the traceback keeps this frame until exit: it must not keep the pending operation (a
+    # gloo work still running then, at interpreter teardown, aborts the process)
+    del work
+    raise ExchangeError(
+        f"Rank {rank}: the {what} failed after {time.monotonic() - start:.1f} s (timeout "
+        f"{timeout.total_seconds():g} s): a peer raised, was killed, or the network is down. "
+        f"Original error: {type(error).__name__}: {error}"
+    ) from error
 
 
 def rank_names(world: int) -> list[str]:

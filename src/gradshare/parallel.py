@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from gradshare import codec, threads
+from gradshare._checks import check_int
 from gradshare.accumulator import AccumulatorError, EncodedGradientsAccumulator
 from gradshare.residual import ResidualPostProcessor
 from gradshare.threshold import ThresholdAlgorithm
@@ -112,8 +113,7 @@ class ParallelWrapper:
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"Expect `model` to be a torch.nn.Module, got {type(model).__name__}.")
-        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
-            raise ValueError(f"Expect `num_workers` to be an int >= 1, got {num_workers!r}.")
+        check_int(num_workers, "num_workers")
         params = list(model.parameters())
         if not params:
             raise ValueError("Expect a model with parameters: there is nothing to train.")
@@ -172,8 +172,7 @@ class ParallelWrapper:
         ``callback`` gets each round's stats. Returns the stats of this call's rounds.
         If a worker raises, every worker stops and ``fit`` re-raises that error.
         """
-        if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
-            raise ValueError(f"Expect `epochs` to be an int >= 1, got {epochs!r}.")
+        check_int(epochs, "epochs")
         self._load_model_into_replicas()
         start = len(self.history)
         bar = _progress(progress, data, epochs, self.num_workers)

@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from gradshare._checks import check_int
+
 __all__ = ["NoResidualProcessing", "ResidualClipping", "ResidualPostProcessor"]
 
 
@@ -72,11 +74,10 @@ class ResidualClipping(ResidualPostProcessor):
                 f"Expect `threshold_multiple` finite and >= 1, got {threshold_multiple!r}: "
                 "under 1 the clip would cut what a message is about to send."
             )
-        if isinstance(frequency, bool) or not isinstance(frequency, int) or frequency < 1:
-            raise ValueError(
-                f"Expect `frequency` to be an int >= 1, got {frequency!r}: it is the number of "
-                "steps between clips (DL4J divides by zero on 0)."
-            )
+        check_int(
+            frequency, "frequency", why=": it is the number of steps between clips (DL4J "
+            "divides by zero on 0)",
+        )  # fmt: skip
         self.threshold_multiple = multiple
         self.frequency = frequency
 

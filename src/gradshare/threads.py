@@ -31,6 +31,8 @@ from typing import Any
 
 import torch
 
+from gradshare._checks import check_int
+
 __all__ = ["ENV_VAR", "kernel_threads", "set_kernel_threads"]
 
 logger = logging.getLogger(__name__)
@@ -47,12 +49,6 @@ _decided: int | None = None
 """The thread count in force (None: decide at the next kernel call)."""
 
 
-def _positive(value: Any, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"Expect `{name}` to be an int >= 1, got {value!r}.")
-    return value
-
-
 def set_kernel_threads(num_threads: int | None) -> None:
     """Use ``num_threads`` threads for the kernels of this process (None: the automatic share).
 
@@ -60,7 +56,7 @@ def set_kernel_threads(num_threads: int | None) -> None:
     parallel call, so a larger count than the pool started with is capped at the pool's size.
     """
     global _explicit, _decided
-    _explicit = None if num_threads is None else _positive(num_threads, "num_threads")
+    _explicit = None if num_threads is None else check_int(num_threads, "num_threads")
     _decided = None
 
 
@@ -121,7 +117,7 @@ def _decide() -> int:
 def note_ranks_on_host(count: int) -> None:
     """Record how many ranks of the job run on this host (learned from the process group)."""
     global _local_ranks, _decided
-    _local_ranks = _positive(count, "count")
+    _local_ranks = check_int(count, "count")
     _decided = None
 
 

@@ -17,6 +17,8 @@ from typing import Any, ClassVar
 
 import torch
 
+from gradshare._checks import check_int
+
 __all__ = [
     "DEFAULT_DECAY",
     "DEFAULT_INITIAL",
@@ -379,8 +381,7 @@ class QuantileThreshold(ThresholdAlgorithm):
                 f"Expect `density` in (0, 1/16), got {density!r}: at 1/16 or more a bitmap "
                 "message is smaller; use AdaptiveThreshold for such dense updates."
             )
-        if isinstance(sample, bool) or not isinstance(sample, int) or sample < 100:
-            raise ValueError(f"Expect `sample` to be an int >= 100, got {sample!r}.")
+        check_int(sample, "sample", 100)
         self.density = float(density)
         self.sample = self.samples = sample
         self._quantile: float | None = None
