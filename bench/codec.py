@@ -18,7 +18,7 @@ for gradshare's fused kernels and for the same algorithm as plain vectorised tor
 gradshare uses on CUDA). Encode rates count 12 bytes per element; ``vs copy`` is the ratio of
 the copy time to the encode time (1.0 = as fast as the floor). Every figure (copy included) is
 the best of ``--repeats`` runs, each started from the same residual (restored by a copy, so for
-N = 1M all data sit in the 48 MB L3 cache for copy and encode alike); small N get
+N = 1M all data sit in the L3 cache for copy and encode alike); small N get
 proportionally more repeats (up to 50) because their runs are short and noisier. Timings on a
 shared 2-core machine vary by up to ±30% from run to run. Results go to
 bench/results/codec.json.

@@ -792,9 +792,9 @@ def decode_sum_(
     e.g. ``"rank 2"``, default ``"position i"``) and ``out`` is untouched; so it is when a
     message shares bytes with ``out``.
 
-    ``checked=True`` skips that validation (not the length and overlap checks): only for
-    messages that this process's own encoders made for a vector of this length, or that
-    already passed :func:`check_message` for it; never for messages received from elsewhere.
+    ``checked=True`` skips that validation and the check for shared memory (not the length
+    check): only for messages that this process's own encoders made, in memory of their own,
+    for a vector of this length; never for messages received from elsewhere.
     """
     return _sum_(messages, out, "out", None, divisor, names, checked)
 
@@ -855,10 +855,7 @@ def _sum_(
         if m is None:
             continue
         name = f"position {i}" if names is None else names[i]
-        check_no_overlap(m, target, f"the message from {name}", target_name)
-        if scratch is not None:
-            check_no_overlap(m, scratch, f"the message from {name}", "scratch")
-        if checked:  # made here for a vector of this length: only that is confirmed
+        if checked:  # made here, in memory of its own, for a vector of this length: confirm N
             _, n, bits, fmt = m[:HEADER_WORDS].tolist()
             if n != numel:
                 raise MessageError(
@@ -867,6 +864,9 @@ def _sum_(
                 )
             present.append((m, fmt, float(_F32.unpack(_I32.pack(bits))[0])))
             continue
+        check_no_overlap(m, target, f"the message from {name}", target_name)
+        if scratch is not None:
+            check_no_overlap(m, scratch, f"the message from {name}", "scratch")
         try:
             if isinstance(m, torch.Tensor) and m.device != target.device:
                 raise MessageError(f"it is on {m.device}, the target on {target.device}")
@@ -919,16 +919,21 @@ def _sum_(
     return target
 
 
-_F32_INFO = np.finfo(np.float32)
+_F32_TINY = float(np.finfo(np.float32).tiny)
+_F32_MAX = float(np.finfo(np.float32).max)
 
 
 def _check_divisor(divisor: Any) -> None:
     """Raise ValueError unless ``divisor`` is a normal float32 > 0 (so is its reciprocal)."""
+    if type(divisor) is int and 1 <= divisor <= 1 << 24:  # a count of parties or ranks
+        return
     ok = isinstance(divisor, (int, float))
     if ok:
-        with np.errstate(over="ignore"):
-            d = float(np.float32(float(divisor))) if abs(divisor) < 2**1000 else math.inf
-        ok = float(_F32_INFO.tiny) <= d <= float(_F32_INFO.max)
+        try:
+            d = _F32.unpack(_F32.pack(divisor))[0]
+        except OverflowError:
+            d = math.inf
+        ok = _F32_TINY <= d <= _F32_MAX
     if not ok:
         raise ValueError(
             f"Expect `divisor` finite and > 0 as a normal float32 (between 1.2e-38 and "

@@ -349,7 +349,7 @@ def run_one(config: TrainConfig, name: str, progress: bool = True) -> RunResult:
     if progress:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=config.epochs * (rounds + 1), desc=f"{name:>9}", unit="step", leave=True)
+        bar = tqdm(total=config.epochs * rounds, desc=f"{name:>9}", unit="step", leave=True)
     start = time.perf_counter()
     try:
         runner = _run_parallel if config.mode == "parallel" else _run_distributed
