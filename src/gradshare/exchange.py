@@ -199,17 +199,36 @@ class PrivateGroup:
                     f"is gone. Original error: {type(e).__name__}: {e}"
                 ) from e
             self._ref = weakref.ref(group)
+            _private.add(self)
         return group
+
+    def destroy(self) -> None:
+        """Destroy the twin group if it still exists (at exit: see :func:`_close_all`)."""
+        group = None if self._ref is None else self._ref()
+        self._ref = None
+        if group is not None and dist.is_initialized():
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group(group)
 
 
 _open: weakref.WeakSet[Pipeline] = weakref.WeakSet()
 """Pipelines whose thread runs."""
 
 
+_private: weakref.WeakSet[PrivateGroup] = weakref.WeakSet()
+"""Private groups made in this process."""
+
+
 @atexit.register
 def _close_all() -> None:
+    """At interpreter exit, while it is still whole: end the pipelines' threads and destroy
+    the private groups. Left to the interpreter's teardown, a thread or a gloo group of ours
+    could abort the process ("terminate called without an active exception"), as it did for
+    a rank that left through an exception without ``destroy_process_group()``."""
     for pipeline in list(_open):
         pipeline.close()
+    for group in list(_private):
+        group.destroy()
 
 
 class Pipeline:
