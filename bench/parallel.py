@@ -103,7 +103,7 @@ def measure(workers: int, mode: str, rounds: int, warmup: int) -> Row:
         )
         last.update(t=now, encode=list(acc.timings["encode"]), apply=list(acc.timings["apply"]))
 
-    wrapper.fit(batches((warmup + rounds) * workers), progress=False, callback=record)
+    wrapper.fit(batches((warmup + rounds) * workers), callback=record)
     per_round = per_round[warmup:]
     med = {k: statistics.median(r[k] for r in per_round) for k in per_round[0]}
     return Row(

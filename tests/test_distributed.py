@@ -260,7 +260,7 @@ class TestSharedOptimizer:
                 F.cross_entropy,
                 num_workers=2,
             )
-            wrapper.fit(batches, progress=False)
+            wrapper.fit(batches)
         finally:
             torch.set_num_threads(threads)
         assert torch.equal(flat(wrapper.model), results[0])

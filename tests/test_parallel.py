@@ -45,7 +45,7 @@ class TestReplicas:
             assert all(torch.equal(first, flat(r)) for r in wrapper.replicas[1:])
             rounds.append(len(stats))
 
-        wrapper.fit(toy_batches(20), epochs=2, progress=False, callback=check)
+        wrapper.fit(toy_batches(20), epochs=2, callback=check)
         assert rounds == [3] * 6 + [2] + [3] * 6 + [2]  # the last partial round works
         assert torch.equal(flat(wrapper.model), flat(wrapper.replicas[0]))
         assert not torch.equal(flat(wrapper.model), flat(toy_model()))  # it did train
@@ -58,7 +58,7 @@ class TestReplicas:
         wrapper = ParallelWrapper(
             toy_model(), SGD, F.cross_entropy, num_workers=3, dense=True, reduction="mean"
         )
-        wrapper.fit(batches, progress=False)
+        wrapper.fit(batches)
         single = toy_model()
         opt = SGD(single.parameters())
         for r in range(0, 12, 3):
@@ -105,7 +105,7 @@ class TestReplicas:
 
         sum_clipped = [0.0, 0.0]
         acc.store_update = recording_store  # type: ignore[method-assign]
-        wrapper.fit(toy_batches(30), progress=False)
+        wrapper.fit(toy_batches(30))
         assert all(c > 0 for c in clipped_steps)
         # without clipping the law is exact: run again and compare the gap to zero
         wrapper2 = ParallelWrapper(
@@ -127,7 +127,7 @@ class TestReplicas:
             return message
 
         acc2.store_update = recording_store2  # type: ignore[method-assign]
-        wrapper2.fit(toy_batches(30), progress=False)
+        wrapper2.fit(toy_batches(30))
         assert acc2.encoders is not None
         for p in range(2):
             residual = acc2.encoders[p].residual
@@ -152,10 +152,10 @@ class TestFaults:
         wrapper = ParallelWrapper(toy_model(), SGD, loss_fn, num_workers=4, timeout=60)
         start = time.monotonic()
         with pytest.raises(ZeroDivisionError, match="worker loss exploded"):
-            wrapper.fit(toy_batches(40), progress=False)
+            wrapper.fit(toy_batches(40))
         assert time.monotonic() - start < 5
         assert threading.active_count() == before
-        wrapper.fit(toy_batches(4), progress=False)  # usable again afterwards
+        wrapper.fit(toy_batches(4))  # usable again afterwards
 
     @pytest.mark.parametrize(
         ("kwargs", "match"),
@@ -168,7 +168,7 @@ class TestFaults:
     def test_bad_minibatch(self) -> None:
         wrapper = ParallelWrapper(toy_model(), SGD, F.cross_entropy)
         with pytest.raises(TypeError, match=r"\(inputs, targets\)"):
-            wrapper.fit([torch.zeros(3)], progress=False)  # type: ignore[list-item]
+            wrapper.fit([torch.zeros(3)])  # type: ignore[list-item]
 
 
 class TestCheckpoint:
@@ -186,13 +186,13 @@ class TestCheckpoint:
             )
 
         whole = make()
-        whole.fit(batches, progress=False)
+        whole.fit(batches)
         first = make()
-        first.fit(batches[:12], progress=False)
+        first.fit(batches[:12])
         torch.save(first.state_dict(), tmp_path / "ckpt.pt")
         resumed = make()
         resumed.load_state_dict(torch.load(tmp_path / "ckpt.pt", weights_only=False))
-        resumed.fit(batches[12:], progress=False)
+        resumed.fit(batches[12:])
         assert torch.equal(flat(resumed.model), flat(whole.model))
         assert resumed.iteration == whole.iteration == 8
         assert resumed.accumulator.bytes_sent == whole.accumulator.bytes_sent
@@ -212,9 +212,7 @@ class TestTraining:
                 threshold=threshold,
             )
             for epoch in range(8):
-                wrapper.fit(
-                    minibatches(split.x_train, split.y_train, 32, seed=epoch), progress=False
-                )
+                wrapper.fit(minibatches(split.x_train, split.y_train, 32, seed=epoch))
             result = wrapper.evaluate(minibatches(split.x_test, split.y_test, 256))
             accuracies[name] = result["accuracy"]
             if name == "encoded":
@@ -233,10 +231,10 @@ class TestTraining:
 
         wrapper = ParallelWrapper(toy_model(), SGD, F.cross_entropy, num_workers=2)
         batches = toy_batches(100)
-        wrapper.fit(batches * 2, progress=False)  # warm up: kernels, allocator pools
+        wrapper.fit(batches * 2)  # warm up: kernels, allocator pools
         start = rss()
         for _ in range(19):
-            wrapper.fit(batches * 2, progress=False)
+            wrapper.fit(batches * 2)
             wrapper.history.clear()
         assert wrapper.iteration == 2000
         assert rss() < start * 1.05, (start, rss())
@@ -247,5 +245,20 @@ def test_model_untouched_until_fit_ends() -> None:
     saved = copy.deepcopy(model)
     wrapper = ParallelWrapper(model, SGD, F.cross_entropy, num_workers=2)
     assert torch.equal(flat(model), flat(saved))
-    wrapper.fit(toy_batches(4), progress=False)
+    wrapper.fit(toy_batches(4))
     assert not torch.equal(flat(model), flat(saved))
+
+
+def test_fit_draws_no_progress_bar(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The library draws no bar (fit made a tqdm bar of its own): bars belong to the CLI, or to
+    a `callback`."""
+    import tqdm.auto
+
+    def no_bar(*args: object, **kwargs: object) -> None:
+        raise AssertionError("ParallelWrapper.fit made a progress bar")
+
+    monkeypatch.setattr(tqdm.auto, "tqdm", no_bar)
+    seen: list[int] = []
+    wrapper = ParallelWrapper(toy_model(), SGD, F.cross_entropy, num_workers=2)
+    wrapper.fit(toy_batches(8), callback=lambda stats: seen.append(len(stats)))
+    assert seen == [2, 2, 2, 2]

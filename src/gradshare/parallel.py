@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
@@ -163,34 +162,28 @@ class ParallelWrapper:
         self,
         data: Iterable[Batch],
         epochs: int = 1,
-        progress: bool = True,
         callback: Callable[[list[StepStats]], None] | None = None,
     ) -> list[StepStats]:
         """Train on ``data`` (minibatches ``(inputs, targets)``) for ``epochs`` passes.
 
         Minibatches are dealt to the workers in turn, one round = one per active worker.
-        ``callback`` gets each round's stats. Returns the stats of this call's rounds.
+        ``callback`` gets each round's stats (a progress bar, a logger: the library draws
+        none itself). Returns the stats of this call's rounds.
         If a worker raises, every worker stops and ``fit`` re-raises that error.
         """
         check_int(epochs, "epochs")
         self._load_model_into_replicas()
         start = len(self.history)
-        bar = _progress(progress, data, epochs, self.num_workers)
         try:
             with ThreadPoolExecutor(self.num_workers, thread_name_prefix="gradshare") as pool:
                 for _ in range(epochs):
                     for batches in _rounds(data, self.num_workers):
                         stats = self._round(pool, batches)
                         self.history += stats
-                        if bar is not None:
-                            bar.update(1)
-                            bar.set_postfix(_postfix(stats), refresh=False)
                         if callback is not None:
                             callback(stats)
                     self.epoch += 1
         finally:
-            if bar is not None:
-                bar.close()
             self.accumulator.reset()
         self._store_replica_into_model()
         return self.history[start:]
@@ -395,24 +388,3 @@ def _first_error(futures: list[Future[StepStats]]) -> BaseException:
         if not isinstance(e, AccumulatorError):
             return e
     return errors[0]
-
-
-def _progress(enabled: bool, data: Iterable[Batch], epochs: int, num_workers: int) -> Any:
-    if not enabled:
-        return None
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:  # tqdm is an optional extra
-        return None
-    try:
-        total: int | None = epochs * math.ceil(len(data) / num_workers)  # type: ignore[arg-type]
-    except TypeError:
-        total = None
-    return tqdm(total=total, unit="round", leave=False, disable=None)
-
-
-def _postfix(stats: list[StepStats]) -> dict[str, str]:
-    loss = sum(s.loss for s in stats) / len(stats)
-    density = sum(s.density for s in stats) / len(stats)
-    sent = sum(s.message_bytes for s in stats)
-    return {"loss": f"{loss:.4f}", "density": f"{density:.2e}", "bytes": f"{sent:,}"}

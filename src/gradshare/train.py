@@ -233,7 +233,7 @@ def _run_parallel(config: TrainConfig, name: str, split: Split, bar: Any) -> Run
                 )
             _tick(bar, result)
 
-        wrapper.fit(_epoch_batches(config, split, epoch), progress=False, callback=record)
+        wrapper.fit(_epoch_batches(config, split, epoch), callback=record)
         result.epochs.append({"epoch": epoch, **_evaluate(wrapper.model, split, device)})
         _tick(bar, result, 0)
     return result
