@@ -125,10 +125,10 @@ class SharedOptimizer(torch.optim.Optimizer):
         self.defaults = optimizer.defaults
         self._init_hooks()
         self.group = process_group
-        self._private = PrivateGroup(process_group, timedelta(seconds=to_seconds(timeout)))
-        """Where the exchanges run: gloo ends a stuck one at this optimizer's timeout."""
         self.reduction = reduction
         self.timeout = timedelta(seconds=to_seconds(timeout))
+        self._private = PrivateGroup(process_group, self.timeout)
+        """Where the exchanges run: gloo ends a stuck one at this optimizer's timeout."""
         self.encoder = None if algorithm is None else Encoder(algorithm.clone(), post_processor)
         """This rank's encoder (None: exact dense updates are all-reduced, the oracle)."""
         self.iteration = 0

@@ -47,6 +47,8 @@ _torch_threads: int | None = None
 _launched = False
 _decided: int | None = None
 """The thread count in force (None: decide at the next kernel call)."""
+_thread_state = threading.local()
+"""Per calling thread: the share of numba's pool it last set."""
 
 
 def set_kernel_threads(num_threads: int | None) -> None:
@@ -82,10 +84,11 @@ def _usable_cpus() -> int:
 
 
 def _ranks_on_host() -> int:
-    if _local_ranks is not None:
-        return _local_ranks
+    """``LOCAL_WORLD_SIZE`` (torchrun's), else the count learned from the group, else 1."""
     raw = os.environ.get("LOCAL_WORLD_SIZE", "")
-    return int(raw) if raw.isdigit() and int(raw) > 0 else 1
+    if raw.isdigit() and int(raw) > 0:
+        return int(raw)
+    return 1 if _local_ranks is None else _local_ranks
 
 
 def _torch_count() -> int:
@@ -124,14 +127,13 @@ def note_ranks_on_host(count: int) -> None:
 def count_ranks_on_host(group: Any = None) -> int:
     """All-gather a host id over ``group`` and record how many of its ranks share this host.
 
-    A collective: every rank of ``group`` must call it. Skipped (returns the known count) when
-    ``LOCAL_WORLD_SIZE`` or an explicit thread count already decides.
+    A collective: every rank of ``group`` must call it, so it runs whatever this rank's own
+    settings are (a rank that skipped it would leave the others waiting); ``LOCAL_WORLD_SIZE``
+    and an explicit thread count still take precedence over what it learns.
     """
     import torch.distributed as dist
 
     _torch_count()  # read before anything else can touch the OpenMP runtime
-    if "LOCAL_WORLD_SIZE" in os.environ or _explicit is not None or _from_env() is not None:
-        return _ranks_on_host()
     digest = hashlib.blake2b(socket.gethostname().encode(), digest_size=7).digest()
     mine = torch.tensor([int.from_bytes(digest, "little")], dtype=torch.int64)
     if dist.get_backend(group) == "nccl":
@@ -165,9 +167,6 @@ def parallel_threads() -> int:
         numba.set_num_threads(share)
         _thread_state.share = share
     return share
-
-
-_thread_state = threading.local()
 
 
 def _launch_pool() -> None:
