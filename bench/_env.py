@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import platform
+import socket
 import time
 from pathlib import Path
 
@@ -31,3 +32,10 @@ def environment() -> dict[str, object]:
         "torch_threads": torch.get_num_threads(),
         "python": platform.python_version(),
     }
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 for a world's rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

@@ -86,3 +86,22 @@ def text_batch(
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def adamw(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    """AdamW as GPTs are trained: lr 1e-3, betas 0.9/0.95, weight decay 0.1 on matrices only."""
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]  # fmt: skip
+    return torch.optim.AdamW(groups, lr=1e-3, betas=(0.9, 0.95))
+
+
+def powersgd_bytes(model: nn.Module, rank: int) -> int:
+    """Bytes PowerSGD all-reduces per step: P and Q for matrices, 1-D tensors uncompressed."""
+    total = 0
+    for p in model.parameters():
+        if p.dim() >= 2:
+            n, k = p.shape[0], p[0].numel()
+            total += 4 * (n + k) * min(rank, n, k)
+        else:
+            total += 4 * p.numel()
+    return total

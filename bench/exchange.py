@@ -56,7 +56,6 @@ import json
 import math
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -74,8 +73,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _env import environment
-from _models import gpt, lm_loss, text, text_batch, vocab_size
+from _env import environment, free_port
+from _models import gpt, lm_loss, powersgd_bytes, text, text_batch, vocab_size
 
 RESULTS = Path(__file__).resolve().parent / "results"
 METHODS = ["compute", "dense", "fp16", "powersgd-1", "powersgd-4", "hook", "hook-1%", "shared"]
@@ -129,18 +128,6 @@ def workload(name: str, numel: int, rank: int) -> tuple[nn.Module, Callable[[int
 
 def adamw(params: list[nn.Parameter]) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
-
-
-def powersgd_bytes(m: nn.Module, rank: int) -> int:
-    """Bytes PowerSGD all-reduces per step: P and Q for matrices, 1-D tensors uncompressed."""
-    total = 0
-    for p in m.parameters():
-        if p.dim() >= 2:
-            n, k = p.shape[0], p[0].numel()
-            total += 4 * (n + k) * min(rank, n, k)
-        else:
-            total += 4 * p.numel()
-    return total
 
 
 def _method(method: str, rank: int, world: int, model: str, numel: int, steps: int) -> dict:
@@ -216,12 +203,6 @@ def _rank(
     if rank == 0:
         Path(out).write_text(json.dumps(rows))
     dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def inner(model: str, world: int, numel: int, steps: int, methods: list[str]) -> list[dict]:

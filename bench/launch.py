@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -44,8 +43,8 @@ import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _env import environment
-from _models import gpt, lm_loss, text, text_batch, vocab_size
+from _env import environment, free_port
+from _models import adamw, gpt, lm_loss, text, text_batch, vocab_size
 
 RESULTS = Path(__file__).resolve().parent / "results"
 METHODS = ("dense", "hook", "shared")
@@ -62,13 +61,6 @@ class Row:
     kernel_threads: int | None
     """Threads of gradshare's kernels (None for dense, which runs none)."""
     bytes_per_step: float
-
-
-def adamw(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
-    decay = [p for p in params if p.dim() >= 2]
-    rest = [p for p in params if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=1e-3, betas=(0.9, 0.95))
 
 
 def _train(rank: int, world: int, steps: int, warmup: int, out: str) -> None:
@@ -120,12 +112,6 @@ def _spawned(rank: int, world: int, port: int, steps: int, warmup: int, out: str
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     _train(rank, world, steps, warmup, out)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_launch(launch: str, steps: int, warmup: int) -> list[dict]:

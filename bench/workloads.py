@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -39,8 +38,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _env import environment
-from _models import gpt, lm_loss, text, text_batch, vocab_size
+from _env import environment, free_port
+from _models import adamw, gpt, lm_loss, powersgd_bytes, text, text_batch, vocab_size
 
 RESULTS = Path(__file__).resolve().parent / "results"
 METHODS = ["dense", "powersgd-1", "powersgd-4", "hook", "hook-1%", "shared", "shared-1%"]
@@ -54,24 +53,6 @@ class Row:
     bytes_per_rank: float
     fewer_bytes_than_dense: float
     seeds: int
-
-
-def adamw(model: torch.nn.Module) -> torch.optim.Optimizer:
-    params = list(model.parameters())
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]  # fmt: skip
-    return torch.optim.AdamW(groups, lr=1e-3, betas=(0.9, 0.95))
-
-
-def powersgd_bytes(model: torch.nn.Module, rank: int) -> int:
-    total = 0
-    for p in model.parameters():
-        if p.dim() >= 2:
-            n, k = p.shape[0], p[0].numel()
-            total += 4 * (n + k) * min(rank, n, k)
-        else:
-            total += 4 * p.numel()
-    return total
 
 
 @torch.no_grad()
@@ -90,7 +71,7 @@ def _run(method: str, rank: int, world: int, seed: int, steps: int, ids: torch.T
     split = int(ids.numel() * 0.9)
     train, val = ids[:split], ids[split:]
     model = gpt("gpt-0.45m", vocab_size(ids), seed=seed)
-    opt = adamw(model)
+    opt = adamw(list(model.parameters()))
     net: torch.nn.Module = model
     state = None
     if method in ("dense", "hook", "hook-1%"):
@@ -152,9 +133,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
     parser.add_argument("--out", type=Path, default=RESULTS / "workloads.json")
     args = parser.parse_args(argv)
     os.environ["OMP_NUM_THREADS"] = "1"  # as torchrun sets it for several ranks per host
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "rows.json")
         mp.spawn(_rank, args=(2, port, args.methods, args.seeds, args.steps, out), nprocs=2,
