@@ -70,6 +70,31 @@ def _rank_equivalence(rank: int, world: int, batches: list) -> torch.Tensor:
     return flat(model)
 
 
+def _rank_ddp_equivalence(rank: int, world: int, batches: list) -> dict:
+    """The same training twice: a plain model, and the same model inside DDP with
+    ``SharedOptimizer(..., ddp=net)``; also records that DDP left each gradient local."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    plain = mlp(10, 3, hidden=16, seed=0)
+    opt = SharedOptimizer(torch.optim.AdamW(plain.parameters(), lr=1e-2))
+    model = mlp(10, 3, hidden=16, seed=0)
+    net = DDP(model, bucket_cap_mb=0.001)  # several buckets
+    ddp_opt = SharedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), ddp=net)
+    local = []
+    for x, y in batches[rank::world]:
+        opt.zero_grad()
+        F.cross_entropy(plain(x), y).backward()
+        want = [p.grad.clone() for p in plain.parameters()]
+        opt.step()
+        ddp_opt.zero_grad()
+        F.cross_entropy(net(x), y).backward()
+        local.append(
+            all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), want, strict=True))
+        )
+        ddp_opt.step()
+    return {"plain": flat(plain), "ddp": flat(model), "local": local}
+
+
 def _rank_dense(rank: int, world: int, batches: list) -> torch.Tensor:
     model = mlp(10, 3, hidden=16, seed=0)
     opt = SharedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), dense=True,
@@ -264,6 +289,38 @@ class TestSharedOptimizer:
         finally:
             torch.set_num_threads(threads)
         assert torch.equal(flat(wrapper.model), results[0])
+
+
+class TestWithDDP:
+    """``SharedOptimizer(opt, ddp=net)``: the update-sharing path for a model kept in DDP."""
+
+    def test_same_parameters_as_without_ddp(self) -> None:
+        """DDP's all-reduce is replaced by a local no-op hook: each rank's optimizer steps on
+        its own gradient and the updates are shared, exactly as without DDP (several
+        buckets, bit for bit, on every rank)."""
+        results = [r.get() for r in spawn(_rank_ddp_equivalence, 2, toy_batches(12))]
+        for r in results:
+            assert torch.equal(r["ddp"], r["plain"])
+            assert all(r["local"])  # gradients stayed local: nothing was all-reduced
+        assert torch.equal(results[0]["ddp"], results[1]["ddp"])
+        assert not torch.equal(results[0]["ddp"], flat(mlp(10, 3, hidden=16, seed=0)))
+
+    def test_refuses_a_plain_module_and_missing_parameters(self) -> None:
+        for r in spawn(_rank_ddp_refusals, 2):
+            assert r.get() == ["TypeError", "ValueError"]
+
+
+def _rank_ddp_refusals(rank: int, world: int) -> list[str]:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = mlp(10, 3, hidden=16, seed=0)
+    errors = []
+    for ddp, params in ((model, model.parameters()), (DDP(model), [next(model.parameters())])):
+        try:
+            SharedOptimizer(torch.optim.SGD(params, lr=0.1), ddp=ddp)  # type: ignore[arg-type]
+        except (TypeError, ValueError) as e:
+            errors.append(type(e).__name__)
+    return errors
 
 
 def test_dense_mode_equals_sgd_on_the_union() -> None:

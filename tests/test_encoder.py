@@ -294,6 +294,26 @@ class TestQuantileThreshold:
             a, b = whole.encode(u, i), resumed.encode(u, i)
             assert a is not None and b is not None and torch.equal(a, b)
 
+    def test_warmup_sends_a_falling_density(self) -> None:
+        """DGC's warm-up: the density falls geometrically from 25% to `density` over `warmup`
+        iterations (bitmaps first), then holds."""
+        algorithm = QuantileThreshold(density=0.01, warmup=4)
+        assert [round(algorithm.density_at(i), 6) for i in range(6)] == [
+            0.25, 0.111803, 0.05, 0.022361, 0.01, 0.01,
+        ]  # fmt: skip
+        g = torch.Generator().manual_seed(3)
+        enc = Encoder(algorithm)
+        densities = []
+        for step in range(6):
+            enc.encode(torch.randn(200_000, generator=g), step)
+            assert enc.last_stats is not None
+            densities.append(enc.last_stats.density)
+        assert densities[0] > 0.2 and 0.04 < densities[2] < 0.06
+        assert all(0.007 < d < 0.013 for d in densities[4:])
+        assert densities == sorted(densities, reverse=True)
+        with pytest.raises(ValueError, match="warmup"):
+            QuantileThreshold(warmup=-1)
+
     def test_settings_checked(self) -> None:
         for bad in (0, 1 / 16, 0.5, -0.1):
             with pytest.raises(ValueError, match="density"):

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -31,6 +31,9 @@ from gradshare.encoder import Encoder, EncodeStats
 from gradshare.exchange import PrivateGroup, exchange_messages, rank_names, take_back, wait
 from gradshare.residual import ResidualPostProcessor
 from gradshare.threshold import ThresholdAlgorithm, resolve_or_dense
+
+if TYPE_CHECKING:
+    from torch.nn.parallel import DistributedDataParallel
 
 __all__ = ["SharedOptimizer"]
 
@@ -61,6 +64,37 @@ def _flat_params(params: list[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _check_ddp(ddp: Any, optimizer: torch.optim.Optimizer) -> None:
+    """Refuse a ``ddp=`` that is not a DDP model, or one with trained parameters that the
+    optimizer does not hold (their gradients would stay local and never be shared)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not isinstance(ddp, DistributedDataParallel):
+        raise TypeError(
+            f"Expect `ddp` to be a DistributedDataParallel model, got {type(ddp).__name__}: "
+            "without DDP, leave `ddp` out (SharedOptimizer alone shares the updates)."
+        )
+    held = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    missing = [n for n, p in ddp.module.named_parameters() if p.requires_grad and id(p) not in held]
+    if missing:
+        raise ValueError(
+            f"Expect the optimizer to hold every trained parameter of the DDP model, but "
+            f"{len(missing)} are not in it (first: {missing[0]!r}): with `ddp=` their "
+            "gradients are no longer all-reduced, so give the optimizer all of them."
+        )
+
+
+def _local_gradient_hook(state, bucket):  # type: ignore[no-untyped-def]
+    """A DDP communication hook that communicates nothing: each bucket keeps this rank's
+    own gradient (:class:`SharedOptimizer` shares the updates made from it).
+
+    (Unannotated: DDP compares the annotation with ``dist.GradBucket``, and this module's
+    postponed annotations would be strings.)"""
+    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    future.set_result(bucket.buffer())
+    return future
+
+
 class SharedOptimizer(torch.optim.Optimizer):
     """Wrap any optimizer so that ranks share its threshold-encoded updates (DL4J's mode).
 
@@ -89,6 +123,13 @@ class SharedOptimizer(torch.optim.Optimizer):
         reduction: ``"sum"`` (DL4J) or ``"mean"`` over ranks.
         timeout: how long a collective may wait for the other ranks before raising (default
             :data:`gradshare.accumulator.DEFAULT_TIMEOUT`).
+        ddp: the ``DistributedDataParallel`` model these parameters belong to, for a model
+            that stays wrapped in DDP (Lightning, accelerate, code that expects it). Its
+            gradient all-reduce is replaced by a hook that leaves every gradient local (no
+            communication), so the optimizer steps on this rank's own gradient and the update
+            is shared, exactly as without DDP. The one-line change for AdamW users of DDP:
+            ``opt = SharedOptimizer(opt, ddp=ddp_model)``. ``process_group`` defaults to
+            the DDP model's.
 
     Example::
 
@@ -107,6 +148,7 @@ class SharedOptimizer(torch.optim.Optimizer):
         process_group: Any = None,
         reduction: Literal["sum", "mean"] = "sum",
         timeout: float | timedelta | None = None,
+        ddp: DistributedDataParallel | None = None,
     ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(
@@ -120,6 +162,10 @@ class SharedOptimizer(torch.optim.Optimizer):
                 "SharedOptimizer needs a process group: call "
                 "torch.distributed.init_process_group() first (torchrun sets the environment)."
             )
+        if ddp is not None:
+            _check_ddp(ddp, optimizer)
+            if process_group is None:
+                process_group = ddp.process_group
         self.optim = optimizer
         self.param_groups = optimizer.param_groups
         self.defaults = optimizer.defaults
@@ -146,6 +192,8 @@ class SharedOptimizer(torch.optim.Optimizer):
         """Zeros, for :func:`gradshare.codec.subtract_sum_`."""
         threads.count_ranks_on_host(self._private.get())  # the kernels' share of the host
         self._broadcast_from_rank0(params)
+        if ddp is not None:
+            ddp.register_comm_hook(None, _local_gradient_hook)
 
     # ------------------------------------------------------------------ set-up
 

@@ -366,15 +366,21 @@ class QuantileThreshold(ThresholdAlgorithm):
     rule instead moves t by at most 3.5% a step toward its band, which takes tens of steps
     after a start or a change of scale. The messages are ordinary DL4J messages.
 
+    With ``warmup`` > 0 the density starts at :data:`WARMUP_START` (25%, DGC's first warm-up
+    epoch; such messages are bitmaps) and falls geometrically to ``density`` over the first
+    ``warmup`` iterations (:meth:`density_at`), so early training, where gradients change
+    fastest, sees most of them.
+
     Args:
         density: the fraction of elements to send, in (0, 1/16) (at 1/16 and above a bitmap is
             smaller than the sparse message).
         sample: how many elements to look at per step (>= 100).
+        warmup: iterations of the falling warm-up density (>= 0; 0: none).
     """
 
-    _settings_names = ("density", "sample")
+    _settings_names = ("density", "sample", "warmup")
 
-    def __init__(self, density: float = 1e-2, sample: int = 16_384) -> None:
+    def __init__(self, density: float = 1e-2, sample: int = 16_384, warmup: int = 0) -> None:
         super().__init__()
         if not (isinstance(density, (int, float)) and 0 < density < DENSE_SPARSITY):
             raise ValueError(
@@ -382,14 +388,20 @@ class QuantileThreshold(ThresholdAlgorithm):
                 "message is smaller; use AdaptiveThreshold for such dense updates."
             )
         check_int(sample, "sample", 100)
+        check_int(warmup, "warmup", 0)
         self.density = float(density)
         self.sample = self.samples = sample
-        self._quantile: float | None = None
+        self.warmup = warmup
+        self._magnitudes: torch.Tensor | None = None
+
+    def density_at(self, iteration: int) -> float:
+        """The density aimed at in ``iteration``: ``density`` after the warm-up."""
+        if iteration >= self.warmup:
+            return self.density
+        return WARMUP_START * (self.density / WARMUP_START) ** (iteration / self.warmup)
 
     def observe(self, magnitudes: torch.Tensor) -> None:
-        k = max(1, round(self.density * magnitudes.numel()))
-        q = float(torch.topk(magnitudes.reshape(-1).float(), k, sorted=False).values.min())
-        self._quantile = q if q > 0 and math.isfinite(q) else None
+        self._magnitudes = magnitudes
 
     def calculate_threshold(
         self,
@@ -401,11 +413,21 @@ class QuantileThreshold(ThresholdAlgorithm):
     ) -> float:
         if last_sparsity is not None:
             self.last_sparsity = last_sparsity
-        t = self._quantile
+        t = None
+        if self._magnitudes is not None:
+            m = self._magnitudes.reshape(-1).float()
+            k = max(1, round(self.density_at(iteration) * m.numel()))
+            q = float(torch.topk(m, k, sorted=False).values.min())
+            t = q if q > 0 and math.isfinite(q) else None
+            self._magnitudes = None
         if t is None:  # nothing non-zero seen: keep the last t (nothing crosses it anyway)
             t = self.last_threshold if self.last_threshold is not None else DEFAULT_INITIAL
         self.last_threshold = t
         return t
+
+
+WARMUP_START = 0.25
+"""The density a :class:`QuantileThreshold` warm-up starts from (DGC: 75% sparsity)."""
 
 
 DEFAULT_INITIAL = 1e-3
