@@ -84,7 +84,7 @@ def _check_ddp(ddp: Any, optimizer: torch.optim.Optimizer) -> None:
         )
 
 
-def _local_gradient_hook(state, bucket):  # type: ignore[no-untyped-def]
+def _local_gradient_hook(state, bucket):
     """A DDP communication hook that communicates nothing: each bucket keeps this rank's
     own gradient (:class:`SharedOptimizer` shares the updates made from it).
 
