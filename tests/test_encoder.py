@@ -14,7 +14,7 @@ from gradshare import (
     FixedThreshold,
     QuantileThreshold,
     ResidualClipping,
-    TargetSparsityThreshold,
+    TargetDensityThreshold,
     decode_,
     message_info,
     optimal_buffer_size,
@@ -39,7 +39,7 @@ class TestConservation:
     ) -> None:
         algorithm = {
             "adaptive": lambda: AdaptiveThreshold(1e-3),
-            "target": lambda: TargetSparsityThreshold(1e-3, 1e-2),
+            "target": lambda: TargetDensityThreshold(1e-3, 1e-2),
             "fixed": lambda: FixedThreshold(1e-3),
             "fixed-big": lambda: FixedThreshold(5e-2),  # mostly no message at all
         }[kind]()
@@ -117,7 +117,7 @@ class TestFormatChoice:
         assert enc.residual is not None and torch.equal(enc.residual, u)
 
     def test_zero_updates_lower_the_threshold_for_small_n(self) -> None:
-        """Nothing crosses, so the algorithm hears sparsity 0 and t falls (it used to hear
+        """Nothing crosses, so the algorithm hears density 0 and t falls (it used to hear
         'dense' and climb: 1e-3 -> 7.7e-3 in 60 steps at N = 32)."""
         for n in (1, 15, 32, 79, 1600):
             enc = Encoder(AdaptiveThreshold(1e-3))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gradshare import AdaptiveThreshold, FixedThreshold, TargetSparsityThreshold
+from gradshare import AdaptiveThreshold, FixedThreshold, TargetDensityThreshold
 from gradshare.threshold import DEFAULT_DECAY, THRESHOLD_SPAN, ThresholdAlgorithm
 
 
@@ -30,7 +30,7 @@ class TestAdaptive:
         assert a.calculate_threshold(1, 0, None, False, 1e-3) == 2e-3
         assert a.calculate_threshold(2, 0, None, False, 1e-5) == 2e-3 * DEFAULT_DECAY
 
-    def test_stored_sparsity_used_when_none_given(self) -> None:
+    def test_stored_density_used_when_none_given(self) -> None:
         a = AdaptiveThreshold(1.0)
         a.calculate_threshold(0, 0, None, None, None)
         a.calculate_threshold(1, 0, None, False, 0.5)  # above: /decay, stores 0.5
@@ -45,8 +45,8 @@ class TestAdaptive:
         [
             ({"initial": 0.0}, "initial"),
             ({"initial": float("nan")}, "initial"),
-            ({"min_sparsity": 0.0}, "min_sparsity"),
-            ({"min_sparsity": 0.1, "max_sparsity": 0.01}, "swap"),
+            ({"min_density": 0.0}, "min_density"),
+            ({"min_density": 0.1, "max_density": 0.01}, "swap"),
             ({"decay": 1.0}, "decay"),
             ({"decay": 0.4}, "decay"),
         ],
@@ -57,7 +57,7 @@ class TestAdaptive:
 
 
 def _zero_steps(a: ThresholdAlgorithm, steps: int, t: float | None = None) -> float:
-    """Feed ``steps`` messages that sent nothing (sparsity 0); return the last threshold."""
+    """Feed ``steps`` messages that sent nothing (density 0); return the last threshold."""
     if t is None:
         t = a.calculate_threshold(0, 0, None, None, None)
     for i in range(steps):
@@ -69,7 +69,7 @@ class TestBounds:
     """t stays within [min_threshold, max_threshold]; without it, steps that send nothing
     shrank it without end (1,500 of them: 2.7e-26, then ~1,500 steps to climb back)."""
 
-    @pytest.mark.parametrize("cls", [AdaptiveThreshold, TargetSparsityThreshold])
+    @pytest.mark.parametrize("cls", [AdaptiveThreshold, TargetDensityThreshold])
     def test_zero_steps_stop_at_the_floor_and_recover_fast(self, cls: type) -> None:
         a = cls(1e-4)
         assert a.min_threshold == 1e-4 / THRESHOLD_SPAN and a.max_threshold == 1e-4 * 1e6
@@ -81,7 +81,7 @@ class TestBounds:
             steps += 1
         assert steps <= 400
 
-    @pytest.mark.parametrize("cls", [AdaptiveThreshold, TargetSparsityThreshold])
+    @pytest.mark.parametrize("cls", [AdaptiveThreshold, TargetDensityThreshold])
     def test_explicit_bounds_clamp_both_ways(self, cls: type) -> None:
         a = cls(1e-3, min_threshold=5e-4, max_threshold=2e-3)
         assert _zero_steps(a, 100) == 5e-4
@@ -108,7 +108,7 @@ class TestBounds:
             ({"max_threshold": 5e-4}, "<= `initial` <="),
         ],
     )
-    @pytest.mark.parametrize("cls", [AdaptiveThreshold, TargetSparsityThreshold])
+    @pytest.mark.parametrize("cls", [AdaptiveThreshold, TargetDensityThreshold])
     def test_validation(self, cls: type, kwargs: dict[str, float], match: str) -> None:
         with pytest.raises(ValueError, match=match):
             cls(1e-3, **kwargs)
@@ -125,19 +125,35 @@ class TestBounds:
         c.load_state_dict(a.state_dict())
 
 
-class TestTargetSparsity:
+class TestTargetDensity:
     def test_rules(self) -> None:
-        a = TargetSparsityThreshold(1.0, 1e-3, 0.5)
+        a = TargetDensityThreshold(1.0, 1e-3, 0.5)
         assert a.calculate_threshold(0, 0, None, None, None) == 1.0
         assert a.calculate_threshold(1, 0, 1.0, False, 1e-4) == 0.5
         assert a.calculate_threshold(2, 0, 0.5, False, 1e-2) == 1.0
         assert a.calculate_threshold(3, 0, 1.0, False, 1e-3) == 1.0
         assert a.calculate_threshold(4, 0, 1.0, True, None) == 2.0
 
+    def test_checkpoints_of_the_old_names_load(self) -> None:
+        """gradshare 0.1 called density "sparsity" (DL4J's word): its states still load."""
+        a = TargetDensityThreshold(1e-3, 2e-3)
+        a.calculate_threshold(0, 0, None, None, None)
+        a.calculate_threshold(1, 0, 1e-3, False, 5e-3)
+        old = {"class": "TargetSparsityThreshold", "settings": a.settings(),
+               "last_threshold": a.last_threshold, "last_sparsity": a.last_density}  # fmt: skip
+        b = TargetDensityThreshold(1e-3, 2e-3)
+        b.load_state_dict(old)
+        assert b.state_dict() == a.state_dict()
+        band = AdaptiveThreshold(1e-3, 1e-4, 1e-2)
+        saved = band.state_dict()
+        saved["settings"] = {k.replace("density", "sparsity"): v
+                             for k, v in saved["settings"].items()}  # fmt: skip
+        AdaptiveThreshold(1e-3, 1e-4, 1e-2).load_state_dict(saved)
+
     @pytest.mark.parametrize("target", [0.0, 1 / 16, 0.5])
     def test_target_validation(self, target: float) -> None:
         with pytest.raises(ValueError, match="target"):
-            TargetSparsityThreshold(target=target)
+            TargetDensityThreshold(target=target)
 
 
 class TestFixed:
@@ -166,7 +182,7 @@ class TestState:
         "make",
         [
             lambda: AdaptiveThreshold(1e-3),
-            lambda: TargetSparsityThreshold(1e-3),
+            lambda: TargetDensityThreshold(1e-3),
             lambda: FixedThreshold(1e-3),
         ],
     )
@@ -212,11 +228,11 @@ class TestAverage:
         a, b = AdaptiveThreshold(1e-4), AdaptiveThreshold(5e-4, 1e-3, 2e-2, 0.9)
         a.calculate_threshold(0, 0, None, None, None)
         b.calculate_threshold(0, 0, None, None, None)
-        a.last_sparsity, b.last_sparsity = 1e-3, 3e-3
+        a.last_density, b.last_density = 1e-3, 3e-3
         avg = ThresholdAlgorithm.average([a, b])
         assert type(avg) is AdaptiveThreshold and avg.settings() == a.settings()
         assert avg.last_threshold == pytest.approx(3e-4, rel=1e-12)
-        assert avg.last_sparsity == pytest.approx(2e-3, rel=1e-12)
+        assert avg.last_density == pytest.approx(2e-3, rel=1e-12)
         f = ThresholdAlgorithm.average([FixedThreshold(1.0), FixedThreshold(2.0)])
         assert f.settings() == {"threshold": 1.0}
 

@@ -2,7 +2,7 @@
 
 The Python home of Deeplearning4j's ``EncodedGradientsAccumulator`` (after Strom, 2015): each
 worker keeps a residual, sends only the entries that crossed a threshold (as signed indices, or a
-2-bit bitmap when too many crossed), the threshold adapts to hold a target sparsity, and every
+2-bit bitmap when too many crossed), the threshold adapts to hold a target density, and every
 replica applies the same decoded sum.
 
 Importing gradshare starts nothing: no CUDA, no numba compilation, no process group.
@@ -34,7 +34,7 @@ from gradshare.threshold import (
     AdaptiveThreshold,
     FixedThreshold,
     QuantileThreshold,
-    TargetSparsityThreshold,
+    TargetDensityThreshold,
     ThresholdAlgorithm,
 )
 
@@ -57,7 +57,7 @@ __all__ = [
     "AdaptiveThreshold",
     "FixedThreshold",
     "QuantileThreshold",
-    "TargetSparsityThreshold",
+    "TargetDensityThreshold",
     "ThresholdAlgorithm",
     # residual post-processing
     "NoResidualProcessing",

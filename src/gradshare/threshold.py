@@ -3,8 +3,13 @@
 Ports of DL4J's ``AdaptiveThresholdAlgorithm``, ``TargetSparsityThresholdAlgorithm`` and
 ``FixedThresholdAlgorithm``, with their reducer (:meth:`ThresholdAlgorithm.average`). Every
 algorithm answers ``calculate_threshold(iteration, epoch, last_threshold, last_was_dense,
-last_sparsity)``; the three ``last_*`` are None on the first call, and ``last_sparsity`` is None
-after a dense (bitmap) message. Sparsity is entries sent / N.
+last_density)``; the three ``last_*`` are None on the first call, and ``last_density`` is None
+after a dense (bitmap) message.
+
+One word throughout: the **density** of a message is the fraction of elements it sends,
+entries / N (what DL4J calls "sparsity": its ``minTargetSparsity`` is ``min_density`` here and
+its ``TargetSparsityThresholdAlgorithm`` is :class:`TargetDensityThreshold`). Checkpoints
+saved under the old names load.
 """
 
 from __future__ import annotations
@@ -26,15 +31,15 @@ __all__ = [
     "AdaptiveThreshold",
     "FixedThreshold",
     "QuantileThreshold",
-    "TargetSparsityThreshold",
+    "TargetDensityThreshold",
     "ThresholdAlgorithm",
     "default_threshold",
 ]
 
 DEFAULT_DECAY = 0.5 ** (1 / 20)
 """DL4J's decay: t halves (or doubles) over 20 steps outside the target band."""
-DENSE_SPARSITY = 1 / 16
-"""The sparsity assumed after a bitmap message, which carries no count of its own."""
+BITMAP_DENSITY = 1 / 16
+"""The density assumed after a bitmap message, which carries no count of its own."""
 THRESHOLD_SPAN = 1e6
 """How far the adaptive algorithms let t move from ``initial`` by default, as a factor either way.
 
@@ -80,8 +85,8 @@ class ThresholdAlgorithm(abc.ABC):
         which decide from the last message alone."""
         self.last_threshold: float | None = None
         """The threshold this algorithm returned last (None before the first call)."""
-        self.last_sparsity: float | None = None
-        """The sparsity it last acted on (None before one was known)."""
+        self.last_density: float | None = None
+        """The density it last acted on (None before one was known)."""
 
     @abc.abstractmethod
     def calculate_threshold(
@@ -90,7 +95,7 @@ class ThresholdAlgorithm(abc.ABC):
         epoch: int,
         last_threshold: float | None,
         last_was_dense: bool | None,
-        last_sparsity: float | None,
+        last_density: float | None,
     ) -> float:
         """Return the threshold for the message of ``iteration``."""
 
@@ -106,12 +111,13 @@ class ThresholdAlgorithm(abc.ABC):
             "class": type(self).__name__,
             "settings": self.settings(),
             "last_threshold": self.last_threshold,
-            "last_sparsity": self.last_sparsity,
+            "last_density": self.last_density,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict` of the same class and settings; else raise ValueError."""
-        missing = {"class", "settings", "last_threshold", "last_sparsity"} - set(state)
+        state = _renamed(state)
+        missing = {"class", "settings", "last_threshold", "last_density"} - set(state)
         if missing:
             raise ValueError(f"Threshold state is missing {sorted(missing)}.")
         if state["class"] != type(self).__name__:
@@ -125,7 +131,7 @@ class ThresholdAlgorithm(abc.ABC):
                 f"{self.settings()}: build it with the saved settings."
             )
         self.last_threshold = state["last_threshold"]
-        self.last_sparsity = state["last_sparsity"]
+        self.last_density = state["last_density"]
 
     def clone(self) -> ThresholdAlgorithm:
         """A new, independent algorithm with the same settings and state."""
@@ -133,12 +139,12 @@ class ThresholdAlgorithm(abc.ABC):
 
     @staticmethod
     def average(algorithms: Sequence[ThresholdAlgorithm]) -> ThresholdAlgorithm:
-        """DL4J's reducer: one algorithm whose last threshold and sparsity are the workers' means.
+        """DL4J's reducer: one algorithm whose last threshold and density are the workers' means.
 
         A new epoch (or a restarted run) then resumes from where the workers were. As in DL4J,
         the settings may differ (say two AdaptiveThresholds started at 1e-4 and 5e-4): the
         result is a copy of the first algorithm, settings included, with the averaged state.
-        Workers that have no last threshold (or sparsity) yet are left out of that mean.
+        Workers that have no last threshold (or density) yet are left out of that mean.
 
         Raises:
             ValueError: no algorithms.
@@ -155,12 +161,33 @@ class ThresholdAlgorithm(abc.ABC):
                 )
         out = first.clone()
         out.last_threshold = _mean([a.last_threshold for a in algorithms])
-        out.last_sparsity = _mean([a.last_sparsity for a in algorithms])
+        out.last_density = _mean([a.last_density for a in algorithms])
         return out
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.settings().items())
         return f"{type(self).__name__}({args})"
+
+
+_OLD_NAMES = {
+    "TargetSparsityThreshold": "TargetDensityThreshold",
+    "min_sparsity": "min_density",
+    "max_sparsity": "max_density",
+    "last_sparsity": "last_density",
+}
+"""Names that checkpoints of gradshare 0.1 used, and what they are called now."""
+
+
+def _renamed(state: dict[str, Any]) -> dict[str, Any]:
+    """A threshold state dict with the names of gradshare 0.1 translated."""
+    out = {_OLD_NAMES.get(k, k): v for k, v in state.items()}
+    if isinstance(out.get("class"), str):
+        out["class"] = _OLD_NAMES.get(out["class"], out["class"])
+    if isinstance(out.get("settings"), dict):
+        out["settings"] = {_OLD_NAMES.get(k, k): v for k, v in out["settings"].items()}
+    if out.get("class") == "QuantileThreshold" and isinstance(out.get("settings"), dict):
+        out["settings"].setdefault("warmup", 0)
+    return out
 
 
 def _mean(values: list[float | None]) -> float | None:
@@ -200,19 +227,19 @@ class _BandThreshold(ThresholdAlgorithm):
         epoch: int,
         last_threshold: float | None,
         last_was_dense: bool | None,
-        last_sparsity: float | None,
+        last_density: float | None,
     ) -> float:
         if last_threshold is None and self.last_threshold is None:
             self.last_threshold = self.initial
             return self.initial
         base = last_threshold if last_threshold is not None else self.last_threshold
         assert base is not None
-        if last_sparsity is not None:
-            s: float | None = last_sparsity
+        if last_density is not None:
+            s: float | None = last_density
         elif last_was_dense:
-            s = DENSE_SPARSITY
+            s = BITMAP_DENSITY
         else:
-            s = self.last_sparsity
+            s = self.last_density
         low, high = self._band()
         if s is None:
             t = base
@@ -223,15 +250,15 @@ class _BandThreshold(ThresholdAlgorithm):
         else:
             t = base
         t = min(max(t, self.min_threshold), self.max_threshold)
-        self.last_threshold, self.last_sparsity = t, s
+        self.last_threshold, self.last_density = t, s
         return t
 
 
 class AdaptiveThreshold(_BandThreshold):
-    """Adapt t to keep the sparsity of messages inside ``[min_sparsity, max_sparsity]``.
+    """Adapt t to keep the density of messages inside ``[min_density, max_density]``.
 
     The default everywhere. Below the band t is multiplied by ``decay``, above it divided by it,
-    inside it kept. After a bitmap message the sparsity is taken as 1/16 (too dense: t rises).
+    inside it kept. After a bitmap message the density is taken as 1/16 (too dense: t rises).
 
     Tuning: ``initial`` only matters for the first steps (it adapts by 2x per 20 steps with the
     default decay); pick it near the typical magnitude of a good update element. Widen the band
@@ -243,8 +270,8 @@ class AdaptiveThreshold(_BandThreshold):
 
     Args:
         initial: the first threshold, > 0.
-        min_sparsity: lower edge of the target band, > 0.
-        max_sparsity: upper edge, >= ``min_sparsity``.
+        min_density: lower edge of the target band, > 0.
+        max_density: upper edge, >= ``min_density``.
         decay: the factor per step, in [0.5, 1).
         min_threshold: the smallest t returned, in (0, ``initial``]; None for
             ``initial / THRESHOLD_SPAN``.
@@ -254,8 +281,8 @@ class AdaptiveThreshold(_BandThreshold):
 
     _settings_names = (
         "initial",
-        "min_sparsity",
-        "max_sparsity",
+        "min_density",
+        "max_density",
         "decay",
         "min_threshold",
         "max_threshold",
@@ -264,8 +291,8 @@ class AdaptiveThreshold(_BandThreshold):
     def __init__(
         self,
         initial: float = 1e-4,
-        min_sparsity: float = 1e-4,
-        max_sparsity: float = 1e-2,
+        min_density: float = 1e-4,
+        max_density: float = 1e-2,
         decay: float = DEFAULT_DECAY,
         *,
         min_threshold: float | None = None,
@@ -273,28 +300,30 @@ class AdaptiveThreshold(_BandThreshold):
     ) -> None:
         super().__init__()
         self.initial = _positive("initial", initial, "it is the first threshold.")
-        self.min_sparsity = _positive("min_sparsity", min_sparsity, "it is a fraction sent.")
-        self.max_sparsity = _positive("max_sparsity", max_sparsity, "it is a fraction sent.")
-        if self.min_sparsity > self.max_sparsity:
+        self.min_density = _positive("min_density", min_density, "it is a fraction sent.")
+        self.max_density = _positive("max_density", max_density, "it is a fraction sent.")
+        if self.min_density > self.max_density:
             raise ValueError(
-                f"Expect `min_sparsity` <= `max_sparsity`, got {min_sparsity!r} > "
-                f"{max_sparsity!r}: swap them."
+                f"Expect `min_density` <= `max_density`, got {min_density!r} > "
+                f"{max_density!r}: swap them."
             )
         self.decay = _decay(decay)
         self._set_bounds(min_threshold, max_threshold)
 
     def _band(self) -> tuple[float, float]:
-        return self.min_sparsity, self.max_sparsity
+        return self.min_density, self.max_density
 
 
-class TargetSparsityThreshold(_BandThreshold):
-    """Adapt t toward one target sparsity: below it x ``decay``, above it / ``decay``.
+class TargetDensityThreshold(_BandThreshold):
+    """Adapt t toward one target density: below it x ``decay``, above it / ``decay``.
+
+    DL4J's ``TargetSparsityThresholdAlgorithm``.
 
     Like :class:`AdaptiveThreshold`, t stays within ``[min_threshold, max_threshold]``.
 
     Args:
         initial: the first threshold, > 0.
-        target: the sparsity to hold, in (0, 1/16) (past 1/16 a bitmap is smaller anyway).
+        target: the density to hold, in (0, 1/16) (past 1/16 a bitmap is smaller anyway).
         decay: the factor per step, in [0.5, 1).
         min_threshold: the smallest t returned, in (0, ``initial``]; None for
             ``initial / THRESHOLD_SPAN``.
@@ -316,7 +345,7 @@ class TargetSparsityThreshold(_BandThreshold):
         super().__init__()
         self.initial = _positive("initial", initial, "it is the first threshold.")
         target = float(target)
-        if not 0 < target < DENSE_SPARSITY:
+        if not 0 < target < BITMAP_DENSITY:
             raise ValueError(
                 f"Expect `target` in (0, 1/16), got {target!r}: at 1/16 and above every "
                 "message is a bitmap."
@@ -348,11 +377,11 @@ class FixedThreshold(ThresholdAlgorithm):
         epoch: int,
         last_threshold: float | None,
         last_was_dense: bool | None,
-        last_sparsity: float | None,
+        last_density: float | None,
     ) -> float:
         self.last_threshold = self.threshold
-        if last_sparsity is not None:
-            self.last_sparsity = last_sparsity
+        if last_density is not None:
+            self.last_density = last_density
         return self.threshold
 
 
@@ -382,7 +411,7 @@ class QuantileThreshold(ThresholdAlgorithm):
 
     def __init__(self, density: float = 1e-2, sample: int = 16_384, warmup: int = 0) -> None:
         super().__init__()
-        if not (isinstance(density, (int, float)) and 0 < density < DENSE_SPARSITY):
+        if not (isinstance(density, (int, float)) and 0 < density < BITMAP_DENSITY):
             raise ValueError(
                 f"Expect `density` in (0, 1/16), got {density!r}: at 1/16 or more a bitmap "
                 "message is smaller; use AdaptiveThreshold for such dense updates."
@@ -409,10 +438,10 @@ class QuantileThreshold(ThresholdAlgorithm):
         epoch: int,
         last_threshold: float | None,
         last_was_dense: bool | None,
-        last_sparsity: float | None,
+        last_density: float | None,
     ) -> float:
-        if last_sparsity is not None:
-            self.last_sparsity = last_sparsity
+        if last_density is not None:
+            self.last_density = last_density
         t = None
         if self._magnitudes is not None:
             m = self._magnitudes.reshape(-1).float()
@@ -427,7 +456,7 @@ class QuantileThreshold(ThresholdAlgorithm):
 
 
 WARMUP_START = 0.25
-"""The density a :class:`QuantileThreshold` warm-up starts from (DGC: 75% sparsity)."""
+"""The density a :class:`QuantileThreshold` warm-up starts from (DGC's first warm-up epoch)."""
 
 
 DEFAULT_INITIAL = 1e-3

@@ -29,7 +29,7 @@ from gradshare.residual import ResidualClipping, ResidualPostProcessor
 from gradshare.threshold import (
     AdaptiveThreshold,
     FixedThreshold,
-    TargetSparsityThreshold,
+    TargetDensityThreshold,
     ThresholdAlgorithm,
 )
 
@@ -56,7 +56,7 @@ def parse_threshold(spec: str) -> ThresholdAlgorithm:
     except ValueError:
         raise ValueError(f"threshold value {value!r} in {spec!r} is not a number") from None
     if kind == "target":
-        return TargetSparsityThreshold(initial=1e-3, target=t)
+        return TargetDensityThreshold(initial=1e-3, target=t)
     return AdaptiveThreshold(t) if kind == "adaptive" else FixedThreshold(t)
 
 
