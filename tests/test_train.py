@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import dataclasses
 import json
 import pickle
 import signal
@@ -77,6 +78,22 @@ class TestTrain:
         runs = _summary(tmp_path)["runs"]
         assert runs["gradshare"]["bytes_sent"] < runs["dense"]["bytes_sent"] / 5
         assert runs["gradshare"]["accuracy"] > 0.5
+
+
+def test_command_line_is_built_from_train_config() -> None:
+    """The CLI repeated TrainConfig's defaults by hand; now each field is its option, with
+    the field's default, type, choices and docstring."""
+    args = cli.build_parser().parse_args(["train"])
+    fields = [f.name for f in dataclasses.fields(train.TrainConfig) if f.name != "runs"]
+    assert train.TrainConfig(**{name: getattr(args, name) for name in fields}) == (
+        train.TrainConfig()
+    )
+    options = cli._config_options()
+    assert list(options) == fields
+    assert options["mode"]["choices"] == ("parallel", "distributed")
+    assert options["optimizer"]["choices"] == tuple(train.OPTIMIZERS)
+    assert options["lr"]["help"].startswith("Learning rate of each worker.")
+    assert options["batch_size"]["type"] is int
 
 
 @pytest.mark.parametrize(

@@ -10,13 +10,19 @@
 from __future__ import annotations
 
 import argparse
+import ast
+import dataclasses
+import inspect as pyinspect
+import itertools
 import math
 import runpy
 import sys
+import textwrap
 import time
+import typing
 from collections.abc import Sequence
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import torch
 
@@ -85,11 +91,7 @@ def inspect(args: argparse.Namespace) -> None:
 def train_command(args: argparse.Namespace) -> None:
     """Train dense, then with gradshare; print the table; write the files."""
     try:
-        config = train.TrainConfig(
-            workers=args.workers, mode=args.mode, threshold=args.threshold, clip=args.clip,
-            optimizer=args.optimizer, lr=args.lr, epochs=args.epochs,
-            batch_size=args.batch_size, hidden=args.hidden, seed=args.seed, device=args.device,
-        )  # fmt: skip
+        config = train.TrainConfig(**{name: getattr(args, name) for name in _config_options()})
     except ValueError as e:
         raise UsageError(str(e)) from None
     out = args.out or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
@@ -163,32 +165,45 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
+def _config_options() -> dict[str, dict[str, Any]]:
+    """``add_argument`` keywords for each option field of :class:`gradshare.train.TrainConfig`:
+    its default, its type (a ``Literal``'s values as choices) and its docstring as help."""
+    hints = typing.get_type_hints(train.TrainConfig)
+    docs = _field_docs(train.TrainConfig)
+    options = {}
+    for f in dataclasses.fields(train.TrainConfig):
+        if f.name == "runs":
+            continue
+        kind = hints[f.name]
+        shown = "" if f.default is None else " (default: %(default)s)"
+        option: dict[str, Any] = {"default": f.default, "help": docs[f.name] + shown}
+        if typing.get_origin(kind) is typing.Literal:
+            option["choices"] = typing.get_args(kind)
+        elif kind in (int, float):
+            option["type"] = kind
+        options[f.name] = option
+    return options
+
+
+def _field_docs(cls: type) -> dict[str, str]:
+    """The docstring under each annotated field of the class ``cls``, from its source."""
+    tree = ast.parse(textwrap.dedent(pyinspect.getsource(cls)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs = {}
+    for node, after in itertools.pairwise(body):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            if isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant):
+                docs[node.target.id] = str(after.value.value).strip().splitlines()[0]
+    return docs
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="gradshare", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     t = sub.add_parser("train", help="train dense and with gradshare on digits, side by side")
-    t.add_argument("--workers", type=int, default=4, help="replicas: threads or processes")
-    t.add_argument(
-        "--mode",
-        default="parallel",
-        help="parallel (threads, ParallelWrapper) or distributed (processes, gloo)",
-    )
-    t.add_argument(
-        "--threshold",
-        default="adaptive:1e-3",
-        help="adaptive:T, fixed:T or target:DENSITY (the threshold algorithm)",
-    )
-    t.add_argument(
-        "--clip", default=None, help="residual clipping MULTIPLE:FREQUENCY, e.g. 5:5 (default none)"
-    )
-    t.add_argument("--optimizer", default="sgd", help="sgd, momentum (SGD 0.9) or adam")
-    t.add_argument("--lr", type=float, default=0.1, help="learning rate of each worker")
-    t.add_argument("--epochs", type=int, default=8, help="passes over the training set")
-    t.add_argument("--batch-size", type=int, default=32, help="minibatch of one worker")
-    t.add_argument("--hidden", type=int, default=256, help="hidden units of the MLP")
-    t.add_argument("--seed", type=int, default=0, help="seed: the same seed, the same numbers")
+    for name, option in _config_options().items():
+        t.add_argument(f"--{name.replace('_', '-')}", **option)
     t.add_argument("--out", type=Path, default=None, help="output folder (default runs/<time>)")
-    t.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     t.add_argument("--tensorboard", action="store_true", help="also log to OUT/tensorboard")
     t.add_argument("--no-progress", action="store_true", help="no progress bars")
     t.set_defaults(func=train_command)  # fmt: skip

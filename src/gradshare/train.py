@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
 import torch.distributed as dist
@@ -71,28 +71,40 @@ def parse_clip(spec: str | None) -> ResidualPostProcessor | None:
         raise ValueError(f"{spec!r} is not MULTIPLE:FREQUENCY (e.g. 5:5): {e}") from None
 
 
+Mode = Literal["parallel", "distributed"]
+OptimizerName = Literal["sgd", "momentum", "adam"]
+
+
 @dataclass(kw_only=True, slots=True)
 class TrainConfig:
-    """What ``gradshare train`` runs; every field is one command-line option."""
+    """What ``gradshare train`` runs. The command line is built from these fields (each
+    field is the option ``--name``, its default and the first line of its docstring the
+    option's default and help), so the two never disagree."""
 
     workers: int = 4
-    """Replicas (threads or processes)."""
-    mode: str = "parallel"
-    """``parallel`` (threads, ParallelWrapper) or ``distributed`` (processes, gloo)."""
+    """Replicas: threads or processes."""
+    mode: Mode = "parallel"
+    """parallel (threads, ParallelWrapper) or distributed (processes, gloo)."""
     threshold: str = "adaptive:1e-3"
-    """The threshold algorithm: ``adaptive:T``, ``fixed:T`` or ``target:DENSITY``."""
+    """The threshold algorithm: adaptive:T, fixed:T or target:DENSITY."""
     clip: str | None = None
-    """Residual clipping ``MULTIPLE:FREQUENCY``, or None."""
-    optimizer: str = "sgd"
-    """``sgd``, ``momentum`` (SGD, 0.9) or ``adam``; each worker has its own."""
+    """Residual clipping MULTIPLE:FREQUENCY, e.g. 5:5 (default: none)."""
+    optimizer: OptimizerName = "sgd"
+    """sgd, momentum (SGD 0.9) or adam; each worker has its own."""
     lr: float = 0.1
+    """Learning rate of each worker."""
     epochs: int = 8
+    """Passes over the training set."""
     batch_size: int = 32
+    """Minibatch of one worker."""
     hidden: int = 256
     """Hidden units of the MLP."""
     seed: int = 0
+    """Seed: the same seed, the same numbers."""
     device: str = "cpu"
+    """cpu or cuda[:N]."""
     runs: tuple[str, ...] = ("dense", "gradshare")
+    """Which runs, in order (not an option: the command runs both)."""
 
     def __post_init__(self) -> None:
         for name in ("workers", "epochs", "batch_size", "hidden"):
@@ -101,7 +113,7 @@ class TrainConfig:
                 raise ValueError(
                     f"--{name.replace('_', '-')} must be an integer >= 1, got {value!r}"
                 )
-        if self.mode not in ("parallel", "distributed"):
+        if self.mode not in get_args(Mode):
             raise ValueError(f"--mode must be parallel or distributed, got {self.mode!r}")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(
