@@ -21,6 +21,7 @@ import torch
 
 from gradshare import codec
 from gradshare._checks import check_int
+from gradshare._flat import views
 from gradshare.encoder import Encoder, EncodeStats
 from gradshare.residual import ResidualPostProcessor
 from gradshare.tail import IndexedTail
@@ -334,11 +335,8 @@ class EncodedGradientsAccumulator:
             if divisor != 1:
                 buffer.div_(divisor)
             with torch.no_grad():
-                offset = 0
-                for p in tensors:
-                    n = p.numel()
-                    p.sub_(buffer[offset : offset + n].view_as(p))
-                    offset += n
+                for p, piece in views(buffer, tensors):
+                    p.sub_(piece)
         with self._lock:
             taken = {id(m) for m in ready}
             self._queues[party] = [m for m in self._queues[party] if id(m) not in taken]

@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.distributed.nn.functional
 
 from gradshare import codec, threads
+from gradshare._flat import views
 from gradshare.accumulator import to_seconds
 from gradshare.encoder import Encoder, EncodeStats
 from gradshare.exchange import PrivateGroup, exchange_messages, rank_names, take_back, wait
@@ -56,11 +57,8 @@ def _split_state(state_dict: dict[str, Any]) -> tuple[dict[str, Any], dict[str, 
 
 
 def _flat_params(params: list[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
-    offset = 0
-    for p in params:
-        n = p.numel()
-        out[offset : offset + n].copy_(p.detach().reshape(-1))
-        offset += n
+    for p, piece in views(out, params):
+        piece.copy_(p.detach())
     return out
 
 
@@ -230,11 +228,8 @@ class SharedOptimizer(torch.optim.Optimizer):
 
     @staticmethod
     def _unflatten(flat: torch.Tensor, params: list[torch.Tensor]) -> None:
-        offset = 0
-        for p in params:
-            n = p.numel()
-            p.copy_(flat[offset : offset + n].view_as(p))
-            offset += n
+        for p, piece in views(flat, params):
+            p.copy_(piece)
 
     # ------------------------------------------------------------------ optimizer API
 

@@ -22,6 +22,7 @@ from torch import nn
 
 from gradshare import codec, threads
 from gradshare._checks import check_int
+from gradshare._flat import views
 from gradshare.accumulator import AccumulatorError, EncodedGradientsAccumulator
 from gradshare.residual import ResidualPostProcessor
 from gradshare.threshold import ThresholdAlgorithm
@@ -333,13 +334,10 @@ def _flatten_params(module: nn.Module) -> torch.Tensor:
     flat = torch.empty(
         sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device
     )
-    offset = 0
     with torch.no_grad():
-        for p in params:
-            n = p.numel()
-            flat[offset : offset + n].copy_(p.reshape(-1))
-            p.data = flat[offset : offset + n].view_as(p)
-            offset += n
+        for p, piece in views(flat, params):
+            piece.copy_(p)
+            p.data = piece
     return flat
 
 
