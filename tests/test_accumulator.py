@@ -1,4 +1,5 @@
-"""EncodedGradientsAccumulator (SPEC §5): rounds, party order, conservation, errors, state."""
+"""EncodedGradientsAccumulator (docs/design.md §5): rounds, party order, conservation, errors,
+state."""
 
 from __future__ import annotations
 

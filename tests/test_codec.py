@@ -1,4 +1,5 @@
-"""The wire format (SPEC §1): DL4J's vectors, round trips, validation, kernels vs torch."""
+"""The wire format (docs/design.md §1): DL4J's vectors, round trips, validation, kernels vs
+torch."""
 
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ def bits(x: torch.Tensor) -> torch.Tensor:
 
 
 class TestDL4JVectors:
-    """The exact vectors of DL4J's own tests (SPEC §1): messages must match word for word."""
+    """The exact vectors of DL4J's own tests (docs/design.md §1): messages match word for word."""
 
     def test_sparse_vector_and_residual(self) -> None:
         r = torch.tensor([1.5, 2.5, -3.5])

@@ -1,4 +1,4 @@
-"""SharedOptimizer over torch.distributed: real gloo processes on 127.0.0.1 (SPEC §6).
+"""SharedOptimizer over torch.distributed: real gloo processes on 127.0.0.1 (docs/design.md §6).
 
 Each test spawns a world of processes (``tests/world.py``); the functions named ``_rank_*``
 run on every rank and return what the test asserts on.

@@ -1,4 +1,5 @@
-"""The encoder (SPEC §4): format choice, conservation, stats, non-finite input, checkpoints."""
+"""The encoder (docs/design.md §4): format choice, conservation, stats, non-finite input,
+checkpoints."""
 
 from __future__ import annotations
 
@@ -129,7 +130,7 @@ class TestFormatChoice:
             assert thresholds == sorted(thresholds, reverse=True) and thresholds[-1] < 2e-4
 
     def test_two_crossing_in_a_small_vector_is_the_spec_bitmap(self) -> None:
-        """SPEC §1's bitmap vector, through the encoder: 2 cross (and one -t/2), N = 6."""
+        """docs/design.md §1's bitmap vector, through the encoder: 2 cross (and one -t/2), N = 6."""
         enc = Encoder(FixedThreshold(1e-3))
         msg = enc.encode(torch.tensor([0.0, -6e-4, 1e-3, -1e-3, 0.0, 0.0]), 0)
         assert msg is not None and msg.tolist() == [6, 6, 981668463, 1, 655372]

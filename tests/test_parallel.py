@@ -1,4 +1,5 @@
-"""ParallelWrapper (SPEC §6): replicas in sync, dense oracle, conservation, faults, checkpoints."""
+"""ParallelWrapper (docs/design.md §6): replicas in sync, dense oracle, conservation, faults,
+checkpoints."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Residual post-processors (SPEC §3): clipping values, schedule, mass, validation."""
+"""Residual post-processors (docs/design.md §3): clipping values, schedule, mass, validation."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""IndexedTail (SPEC §5): per-consumer positions, freeing, collapsing, concurrent use."""
+"""IndexedTail (docs/design.md §5): per-consumer positions, freeing, collapsing, concurrent use."""
 
 from __future__ import annotations
 

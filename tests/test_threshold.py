@@ -1,4 +1,4 @@
-"""Threshold algorithms (SPEC §2): DL4J's sequences, validation, state, averaging."""
+"""Threshold algorithms (docs/design.md §2): DL4J's sequences, validation, state, averaging."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""N parties sharing encoded updates: queues, barrier, external source, errors (SPEC §5).
+"""N parties sharing encoded updates: queues, barrier, external source, errors (docs/design.md §5).
 
 The port of DL4J's ``EncodedGradientsAccumulator``. Each party (a worker thread with its own
 replica) stores its update, which is encoded by that party's :class:`~gradshare.Encoder` and put

@@ -1,6 +1,6 @@
 """The wire format: threshold encoding of a residual into int32 messages, and decoding back.
 
-Byte-compatible with Deeplearning4j's ``EncodingHandler`` (SPEC §1). A message is a 1-D
+Byte-compatible with Deeplearning4j's ``EncodingHandler`` (docs/design.md §1). A message is a 1-D
 little-endian ``int32`` tensor with a 4-word header ``[K or N, N, float32 bits of t, format]``
 followed by either K signed 1-based indices (sparse, ``FLEXIBLE_ENCODING``) or ``N//16 + 1``
 bitmap words (``BITMAP_ENCODING``, 2 bits per element).

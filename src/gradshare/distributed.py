@@ -1,4 +1,4 @@
-"""Update sharing over torch.distributed: SharedOptimizer (SPEC §6).
+"""Update sharing over torch.distributed: SharedOptimizer (docs/design.md §6).
 
 Each rank's own optimizer steps on its local gradient; the update it made is threshold-encoded
 with error feedback, the messages of all ranks are exchanged (:mod:`gradshare.exchange`: int32

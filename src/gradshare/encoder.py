@@ -1,4 +1,4 @@
-"""One worker's encoder: residual + threshold algorithm + format choice + stats (SPEC §4).
+"""One worker's encoder: residual + threshold algorithm + format choice + stats (docs/design.md §4).
 
 The port of DL4J's ``EncodingHandler``, with two deliberate improvements: the format (sparse or
 bitmap) is chosen from the count *before* the residual is touched, so no update is lost on a

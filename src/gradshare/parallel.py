@@ -1,4 +1,4 @@
-"""The local multi-worker trainer: DL4J's ParallelWrapper in shared-update mode (SPEC §6).
+"""The local multi-worker trainer: DL4J's ParallelWrapper in shared-update mode (docs/design.md §6).
 
 ``N`` replicas of one model, one worker thread each (one device each when several GPUs are
 given), train on their own minibatches; each worker's own optimizer turns its gradient into an

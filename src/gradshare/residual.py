@@ -1,4 +1,4 @@
-"""Residual post-processors: what happens to the residual after each message (SPEC §3).
+"""Residual post-processors: what happens to the residual after each message (docs/design.md §3).
 
 Clipping is the one place where gradshare deliberately drops update mass; every processor
 returns how much (L1) it dropped, so that the conservation law can still be checked.

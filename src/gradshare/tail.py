@@ -1,4 +1,6 @@
-"""IndexedTail: updates from outside (other nodes), read by every local consumer (SPEC §5).
+"""IndexedTail: updates from outside (other nodes), read by every local consumer.
+
+See docs/design.md §5.
 
 The port of DL4J's ``IndexedTail``. Updates that arrive from other nodes are appended once;
 each local consumer has its own read position and :meth:`IndexedTail.drain_to` adds everything

@@ -1,4 +1,4 @@
-"""Threshold algorithms: how t moves from message to message (SPEC §2).
+"""Threshold algorithms: how t moves from message to message (docs/design.md §2).
 
 Ports of DL4J's ``AdaptiveThresholdAlgorithm``, ``TargetSparsityThresholdAlgorithm`` and
 ``FixedThresholdAlgorithm``, with their reducer (:meth:`ThresholdAlgorithm.average`). Every
