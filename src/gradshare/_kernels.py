@@ -19,6 +19,12 @@ still be chosen afterwards:
    elements back just before it encodes that chunk (the chunk is then in cache anyway); and
    :func:`undo` puts everything back when no message is sent.
 
+To send the mean magnitude m instead of t (``magnitude="mean"``), :func:`sent_magnitudes` bins
+the old values of the sent prefix by exponent (an exact int64 sum, see :func:`_bin_magnitude`)
+between (1) and (2), and :func:`emit_sparse` then rewrites each sent element from its old value
+moved by m; a bitmap takes :func:`bitmap_magnitudes` and :func:`encode_bitmap_step` instead of
+(3). The default path runs none of this.
+
 The superblock step of (1) and of the bitmap encode are small LLVM intrinsics
 (:func:`_make_superblock`, :func:`_make_bitmap_superblock`) working on one vector register at a
 time (16 float32 or 8 float64 with AVX-512): a compare gives the lane mask, a select the moved
