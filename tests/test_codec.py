@@ -974,3 +974,140 @@ def test_checked_sum_still_refuses_another_length() -> None:
         codec.decode_sum_([message], out, checked=True)
     assert torch.equal(out, torch.zeros(3))
     codec.decode_sum_([message], torch.zeros(4), checked=True)
+
+
+def _exact_mean_f32(x: torch.Tensor) -> float:
+    """float32(float64(mean |x|)) with the sum taken exactly (the magnitudes as float32)."""
+    from fractions import Fraction
+
+    mags = x.double().abs().float().double().tolist()
+    mean = float(sum((Fraction(v) for v in mags), Fraction(0)) / len(mags))
+    return float(np.float32(mean))
+
+
+class TestMeanMagnitude:
+    """``magnitude="mean"``: the header's float is m = float32(mean |x| over the sent elements),
+    m >= t, each sent element leaves the residual as exactly ``sign * m`` (computed in the
+    residual's dtype) and decoding gives exactly ``±m`` there, so the books stay exact. The
+    fused kernels and the torch path agree bit for bit."""
+
+    @pytest.mark.parametrize("fused", [True, False])
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+    @pytest.mark.parametrize(
+        ("kind", "t", "n"),
+        [
+            ("sparse", 1.5, 5000),
+            ("sparse", 0.5, 3 * CHUNK + 11),  # more than CAP per chunk: the unmoved chunks
+            ("boundary", 1.0, 2 * CHUNK + 7),
+            ("boundary", 0.3, 3 * CHUNK),
+            ("bitmap", 1.0, 3 * CHUNK + 5),
+            ("bitmap", 0.7, 1000),
+        ],
+    )
+    def test_exact_books(
+        self, kind: str, t: float, n: int, dtype: torch.dtype, fused: bool
+    ) -> None:
+        x = (torch.randn(n, generator=torch.Generator().manual_seed(n)) * 0.8).to(dtype)
+        r = x.clone()
+        with contextlib.nullcontext() if fused else torch_path():
+            if kind == "bitmap":
+                msg = encode_bitmap_(r, t, magnitude="mean")
+            else:
+                limit = n // 100 if kind == "boundary" else None
+                msg = encode_sparse_(r, t, limit, magnitude="mean")
+        assert msg is not None
+        info = message_info(msg)
+        m = info.threshold
+        sent = decode_(msg, torch.zeros(n, dtype=dtype))
+        mask = sent != 0
+        crossing = torch.nonzero(x.abs() >= t).view(-1)
+        if kind == "boundary":
+            crossing = crossing[: n // 100]
+        want = torch.zeros(n, dtype=torch.bool)
+        want[crossing] = True
+        assert torch.equal(mask, want)  # exactly the first `limit` crossing ones, no half steps
+        assert info.num_entries == crossing.numel() > 1
+        assert m >= t and m == _exact_mean_f32(x[mask])
+        mt = torch.tensor(m, dtype=dtype)
+        assert torch.equal(sent[mask], torch.sign(x[mask]) * mt)
+        assert torch.equal(bits(r[mask]), bits(x[mask] - torch.sign(x[mask]) * mt))
+        assert torch.equal(bits(r[~mask]), bits(x[~mask]))
+        assert torch.equal(sent + r, sent.double().add(r.double()).to(dtype))  # exact books
+        assert torch.equal((sent.double() + r.double()).to(dtype), r + sent)
+
+    def test_default_and_threshold_send_t(self) -> None:
+        x = torch.tensor([1.5, 2.5, -3.5])
+        a, b = x.clone(), x.clone()
+        assert encode_sparse_(a, 0.5).tolist() == [3, 3, 1056964608, 0, 1, 2, -3]  # type: ignore[union-attr]
+        assert torch.equal(
+            encode_sparse_(b, 0.5, magnitude="threshold"), encode_sparse_(x.clone(), 0.5)
+        )  # type: ignore[arg-type]
+        c = x.clone()
+        msg = encode_sparse_(c, 0.5, magnitude="mean")
+        assert msg is not None and message_info(msg).threshold == 2.5
+        assert c.tolist() == [-1.0, 0.0, -1.0]
+
+    @pytest.mark.parametrize("value", ["Mean", "t", None, 1])
+    def test_bad_magnitude(self, value: object) -> None:
+        r = torch.ones(8)
+        with pytest.raises(ValueError, match="`magnitude`"):
+            encode_sparse_(r, 0.5, magnitude=value)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="`magnitude`"):
+            encode_bitmap_(r, 0.5, magnitude=value)  # type: ignore[arg-type]
+        assert torch.equal(r, torch.ones(8))
+
+    @pytest.mark.parametrize("pattern", PATTERNS)
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+    def test_kernels_equal_torch(self, pattern: tuple[int, ...], dtype: torch.dtype) -> None:
+        """Every way a step can end, with the speculative scan's moves in place before it."""
+        n = len(pattern) * CHUNK - 37
+        x = _patterned(n, list(pattern), dtype, seed=len(pattern))
+        u = (torch.randn(n, generator=torch.Generator().manual_seed(7)) * 0.05).to(dtype)
+        total = int(((x + u).abs() >= 1.0).sum())
+        for end in ["all", 2, max(1, total // 2), "bitmap", "bitmap+update"]:
+
+            def steps(ws: codec.Workspace, r: torch.Tensor, end: object = end) -> object:
+                if end == "bitmap+update":
+                    ws.scan_(r, u, 1.0)
+                    return ws.bitmap_(r, 1.0, u, mean=True), ws.value
+                count = ws.scan_(r, u, 1.0)
+                if end == "bitmap":
+                    return count, ws.bitmap_(r, 1.0, mean=True), ws.value
+                if count < 2:
+                    return count
+                limit = None if end == "all" else int(end)  # type: ignore[call-overload]
+                return count, ws.emit_(r, limit, mean=True), ws.value
+
+            (ra, resa, wsa), (rb, resb, wsb) = _both_paths(x, steps)
+            _same_results(resa, resb)
+            assert torch.equal(bits(ra), bits(rb))
+            assert wsa.sumsq == pytest.approx(wsb.sumsq, rel=1e-5, abs=1e-9)
+            assert wsa.sumsq == pytest.approx(float(ra.double().square().sum()), rel=1e-5, abs=1e-9)
+
+    def test_special_values(self) -> None:
+        """inf counts as the largest float32 (m stays finite); NaN is never sent."""
+        vals = [float("nan"), float("inf"), -float("inf"), -0.0, 0.0, 1e-45, -1e-45, 3.0, -3.0]
+        x = torch.tensor(vals * 40000, dtype=torch.float32)
+        for encode in (
+            lambda r: encode_sparse_(r, 1.0, magnitude="mean"),
+            lambda r: encode_sparse_(r, 1.0, boundary=777, magnitude="mean"),
+            lambda r: encode_bitmap_(r, 1.0, magnitude="mean"),
+        ):
+            a, b = x.clone(), x.clone()
+            ma = encode(a)
+            with torch_path():
+                mb = encode(b)
+            assert ma is not None and mb is not None and torch.equal(ma, mb)
+            assert torch.equal(bits(a), bits(b))
+            m = message_info(ma).threshold
+            assert 3.0 < m < float("inf")
+
+    def test_mean_of_tiny_and_huge_magnitudes_is_exact(self) -> None:
+        """Subnormal and near-largest magnitudes in one message: the exponent bins lose nothing."""
+        x = torch.tensor([1e-45, -3e-45, 3e38, -3.4e38, 2e-40], dtype=torch.float32)
+        for fused in (True, False):
+            r = x.clone()
+            with contextlib.nullcontext() if fused else torch_path():
+                msg = encode_sparse_(r, 1e-45, magnitude="mean")
+            assert msg is not None
+            assert message_info(msg).threshold == _exact_mean_f32(x)

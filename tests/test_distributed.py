@@ -43,12 +43,14 @@ def digest(model: nn.Module) -> str:
 # ---------------------------------------------------------------------- ranks
 
 
-def _rank_train(rank: int, world: int, steps: int) -> dict:
+def _rank_train(rank: int, world: int, steps: int, magnitude: str = "threshold") -> dict:
     model = mlp(10, 3, hidden=16, seed=rank)  # different on purpose: rank 0's must win
     opt = SharedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), threshold=AdaptiveThreshold(1e-3)
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+        threshold=AdaptiveThreshold(1e-3),
+        magnitude=magnitude,  # type: ignore[arg-type]
     )
-    hashes, sizes, formats = [digest(model)], [], []
+    hashes, sizes, formats, values = [digest(model)], [], [], []
     for x, y in toy_batches(steps * world)[rank::world]:
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()
@@ -57,7 +59,14 @@ def _rank_train(rank: int, world: int, steps: int) -> dict:
         assert opt.last_stats is not None
         sizes.append(opt.last_stats.message_bytes)
         formats.append(opt.last_stats.format)
-    return {"hashes": hashes, "sizes": sizes, "bytes": opt.bytes_sent, "formats": formats}
+        values.append((opt.last_stats.threshold, opt.last_stats.value))
+    return {
+        "hashes": hashes,
+        "sizes": sizes,
+        "bytes": opt.bytes_sent,
+        "formats": formats,
+        "values": values,
+    }
 
 
 def _rank_equivalence(rank: int, world: int, batches: list) -> torch.Tensor:
@@ -270,6 +279,16 @@ class TestSharedOptimizer:
         for r in results:  # bytes counted = sizes of the messages it encoded
             assert r["bytes"] == sum(r["sizes"]) > 0
         assert {f for r in results for f in r["formats"]} & {"sparse", "bitmap"}
+
+    def test_mean_magnitude_keeps_replicas_bit_identical(self) -> None:
+        """Messages that carry the mean magnitude: every rank decodes the same sum."""
+        results = [r.get() for r in spawn(_rank_train, 2, 12, "mean")]
+        assert results[1]["hashes"] == results[0]["hashes"]
+        assert len(set(results[0]["hashes"])) == 13
+        values = [v for r in results for v in r["values"]]
+        assert all(m >= t for t, m in values) and any(m > t for t, m in values)
+        plain = [r.get() for r in spawn(_rank_train, 2, 12)]
+        assert plain[0]["hashes"] != results[0]["hashes"]  # the option reached the encoder
 
     def test_same_parameters_as_parallel_wrapper(self) -> None:
         """The same data split through processes and through threads: bit-identical results."""

@@ -321,3 +321,110 @@ class TestQuantileThreshold:
                 QuantileThreshold(density=bad)
         with pytest.raises(ValueError, match="sample"):
             QuantileThreshold(sample=10)
+
+
+class TestMeanMagnitude:
+    """``Encoder(magnitude="mean")``: each message's header float is m, the float32 mean of
+    ``|residual + update|`` over the sent elements; exactly ``sign * m`` leaves the residual
+    per sent element and decoding gives exactly ``±m``, so the books are exact at every step."""
+
+    @settings(max_examples=30, deadline=None)
+    @given(
+        n=st.integers(2, 3000),
+        steps=st.integers(1, 25),
+        seed=st.integers(0, 2**31 - 1),
+        kind=st.sampled_from(["adaptive", "fixed", "dense"]),
+        boundary=st.none() | st.integers(1, 60),
+    )
+    def test_exact_books_every_step(
+        self, n: int, steps: int, seed: int, kind: str, boundary: int | None
+    ) -> None:
+        algorithm = {
+            "adaptive": lambda: AdaptiveThreshold(1e-3),
+            "fixed": lambda: FixedThreshold(1e-3),
+            "dense": lambda: FixedThreshold(1e-5),  # most elements cross: bitmaps
+        }[kind]()
+        enc = Encoder(algorithm, boundary=boundary, magnitude="mean")
+        g = torch.Generator().manual_seed(seed)
+        residual = torch.zeros(n)
+        for i in range(steps):
+            u = torch.randn(n, generator=g) * 1e-3
+            x = residual + u  # what the encoder sees this step, in float32
+            msg = enc.encode(u, i)
+            stats = enc.last_stats
+            assert stats is not None and enc.residual is not None
+            if msg is None:
+                assert torch.equal(enc.residual, x) and stats.value == stats.threshold
+                residual = x
+                continue
+            info = message_info(msg)
+            m, t = info.threshold, stats.threshold
+            assert stats.value == m >= t
+            sent = decode_(msg, torch.zeros(n))
+            mask = sent != 0
+            if info.format == FLEXIBLE_ENCODING:  # the first `boundary` crossing ones
+                first = torch.nonzero(x.abs() >= t).view(-1)[: stats.entries]
+                assert torch.equal(torch.nonzero(mask).view(-1), first)
+            else:  # every crossing one, and no half steps
+                assert torch.equal(mask, x.abs() >= t)
+            assert int(mask.sum()) == stats.entries
+            mags = x[mask].double().abs()
+            assert m == float(np.float32(mags.sum().item() / mags.numel()))
+            step = torch.sign(x[mask]) * m
+            assert torch.equal(sent[mask], step)
+            assert torch.equal(enc.residual[mask], x[mask] - step)
+            assert torch.equal(enc.residual[~mask], x[~mask])
+            residual = enc.residual.clone()
+            assert stats.residual_norm == pytest.approx(
+                float(residual.double().norm()), rel=1e-4, abs=1e-7
+            )
+
+    def test_threshold_mode_sends_t(self) -> None:
+        enc = Encoder(FixedThreshold(0.5))
+        msg = enc.encode(torch.cat([torch.tensor([1.5, 2.5, -3.5]), torch.zeros(200)]), 0)
+        assert msg is not None and msg.tolist() == [3, 203, 1056964608, 0, 1, 2, -3]
+        assert enc.last_stats is not None and enc.last_stats.value == enc.last_stats.threshold
+
+    @pytest.mark.parametrize("n", [200, 4])  # sparse, bitmap
+    def test_mean_mode_sends_the_mean(self, n: int) -> None:
+        enc = Encoder(FixedThreshold(0.5), magnitude="mean")
+        x = torch.zeros(n)
+        x[:4] = torch.tensor([1.5, 2.5, -3.5, 0.25])
+        msg = enc.encode(x, iteration=0)
+        assert msg is not None and message_info(msg).threshold == 2.5
+        assert enc.residual is not None
+        assert enc.residual[:4].tolist() == [-1.0, 0.0, -1.0, 0.25]
+        assert enc.last_stats is not None
+        assert (enc.last_stats.threshold, enc.last_stats.value) == (0.5, 2.5)
+        assert enc.last_stats.entries == 3
+        # the algorithm is told t and the density, as with "threshold"
+        assert enc._last == ((0.5, False, 3 / n) if n == 200 else (0.5, True, None))
+
+    @pytest.mark.parametrize("value", ["avg", "", None, True])
+    def test_bad_setting(self, value: object) -> None:
+        with pytest.raises(ValueError, match="`magnitude`"):
+            Encoder(FixedThreshold(1.0), magnitude=value)  # type: ignore[arg-type]
+
+    def test_state_keeps_the_setting(self) -> None:
+        g = torch.Generator().manual_seed(1)
+        updates = [torch.randn(3000, generator=g) * 1e-3 for _ in range(8)]
+        a = Encoder(AdaptiveThreshold(1e-3), magnitude="mean")
+        for i, u in enumerate(updates[:4]):
+            a.encode(u, i)
+        state = a.state_dict()
+        plain = Encoder(AdaptiveThreshold(1e-3))
+        with pytest.raises(ValueError, match="magnitude='mean'"):
+            plain.load_state_dict(state)
+        assert plain.residual is None
+        old = {k: v for k, v in plain.state_dict().items() if k != "magnitude"}
+        with pytest.raises(ValueError, match="magnitude='threshold'"):
+            Encoder(magnitude="mean").load_state_dict(old)  # saved before the setting existed
+        b = Encoder(AdaptiveThreshold(1e-3), magnitude="mean")
+        b.load_state_dict(state)
+        for i, u in enumerate(updates[4:], start=4):
+            ma, mb = a.encode(u, i), b.encode(u, i)
+            assert (ma is None and mb is None) or (
+                ma is not None and mb is not None and torch.equal(ma, mb)
+            )
+        assert a.residual is not None and b.residual is not None
+        assert torch.equal(a.residual, b.residual)

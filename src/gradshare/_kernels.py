@@ -19,6 +19,12 @@ still be chosen afterwards:
    elements back just before it encodes that chunk (the chunk is then in cache anyway); and
    :func:`undo` puts everything back when no message is sent.
 
+To send the mean magnitude m instead of t (``magnitude="mean"``), :func:`sent_magnitudes` bins
+the old values of the sent prefix by exponent (an exact int64 sum, see :func:`_bin_magnitude`)
+between (1) and (2), and :func:`emit_sparse` then rewrites each sent element from its old value
+moved by m; a bitmap takes :func:`bitmap_magnitudes` and :func:`encode_bitmap_step` instead of
+(3). The default path runs none of this.
+
 The superblock step of (1) and of the bitmap encode are small LLVM intrinsics
 (:func:`_make_superblock`, :func:`_make_bitmap_superblock`) working on one vector register at a
 time (16 float32 or 8 float64 with AVX-512): a compare gives the lane mask, a select the moved
@@ -33,6 +39,7 @@ each kernel on its first call (cached on disk), so importing gradshare compiles 
 
 from __future__ import annotations
 
+import math
 import types as types_
 
 import numpy as np
@@ -500,7 +507,9 @@ def _emit_prefix(counts, offsets, message, take, n, bits):  # pragma: no cover -
 
 
 @njit(fastmath={"reassoc"}, nogil=True, cache=True)
-def _emit_chunk(r, t, counts, offsets, ent, old, take_all, entries, c):  # pragma: no cover
+def _emit_chunk(
+    r, t, step, rewrite, counts, offsets, ent, old, take_all, entries, c
+):  # pragma: no cover - compiled
     """The work of :func:`emit_sparse` for chunk ``c``: returns its change of ``sum(r*r)``."""
     cnt = counts[c]
     take = max(0, min(cnt, take_all - offsets[c]))
@@ -512,10 +521,18 @@ def _emit_chunk(r, t, counts, offsets, ent, old, take_all, entries, c):  # pragm
         out = entries[offsets[c] : offsets[c] + take]
         for k in range(take):
             out[k] = es[k]
-        for k in range(take):
-            v = os_[k]
-            nv = v - t if es[k] > 0 else v + t
-            d += nv * nv - v * v
+        if rewrite:  # the scan moved by t: move by ``step`` instead, from the old values
+            for k in range(take):
+                v = os_[k]
+                e = es[k]
+                nv = v - step if e > 0 else v + step
+                r[(e if e > 0 else -e) - 1] = nv
+                d += nv * nv - v * v
+        else:
+            for k in range(take):
+                v = os_[k]
+                nv = v - t if es[k] > 0 else v + t
+                d += nv * nv - v * v
         _restore(r, ent, old, base + take, base + cnt)
     elif take > 0:
         lo = c * CHUNK
@@ -527,13 +544,13 @@ def _emit_chunk(r, t, counts, offsets, ent, old, take_all, entries, c):  # pragm
             v = r[g]
             if v >= t:
                 out[k] = g + 1
-                nv = v - t
+                nv = v - step
                 r[g] = nv
                 d += nv * nv - v * v
                 k += 1
             elif v <= -t:
                 out[k] = -(g + 1)
-                nv = v + t
+                nv = v + step
                 r[g] = nv
                 d += nv * nv - v * v
                 k += 1
@@ -542,20 +559,134 @@ def _emit_chunk(r, t, counts, offsets, ent, old, take_all, entries, c):  # pragm
 
 
 @njit(fastmath={"reassoc"}, **_OPTS)
-def emit_sparse(r, t, counts, offsets, ent, old, take, message, bits):  # pragma: no cover
+def emit_sparse(
+    r, t, step, rewrite, counts, offsets, ent, old, take, message, bits
+):  # pragma: no cover
     """Write the message of the first ``take`` entries after a :func:`scan`; undo the rest.
 
     ``message`` is the whole int32 message of ``take + 4`` words; ``bits`` the int32 reading
-    of t's float32 bits for its header. Recorded chunks copy their entries and put back the
-    moves past ``take`` (exactly, from the old values); an unmoved chunk rescans and moves its
-    share. Returns the change of ``sum(r*r)`` caused by the moves that stay.
+    of the float32 value it sends, for its header. Recorded chunks copy their entries and put
+    back the moves past ``take`` (exactly, from the old values); an unmoved chunk rescans and
+    moves its share. Each sent element moves by ``step``: t itself (``rewrite`` False: the
+    scan's moves stay) or the mean magnitude (``rewrite``: each is rewritten from its old
+    value). Returns the change of ``sum(r*r)`` caused by the moves that stay.
     """
     _emit_prefix(counts, offsets, message, take, r.size, bits)
     entries = message[4:]
     dsumsq = 0.0
     for c in prange(counts.size):
-        dsumsq += _emit_chunk(r, t, counts, offsets, ent, old, take, entries, c)
+        dsumsq += _emit_chunk(r, t, step, rewrite, counts, offsets, ent, old, take, entries, c)
     return dsumsq
+
+
+NBINS = 280
+"""Bins of :func:`_bin_magnitude`: one per binary exponent of a float32 (frexp's -148..128)."""
+_F32_MAX = np.finfo(np.float32).max
+
+
+@njit(inline="always")
+def _bin_magnitude(v, row):  # pragma: no cover - compiled
+    """Add ``|v|`` (as a float32, inf clamped to the largest) into its exponent bin, exactly.
+
+    A float32 magnitude is ``q * 2**(e - 24)`` with an integer ``q < 2**24`` (``frexp``), so
+    ``row[e + 149] += q`` keeps the sum exact in int64 for up to 2**39 entries per bin, and in
+    any order: the torch path bins the same way and gets the same sum.
+    """
+    a = np.float64(np.float32(min(abs(v), _F32_MAX)))
+    mant, e = math.frexp(a)
+    row[e + 149] += np.int64(mant * 16777216.0)
+
+
+@njit(**_OPTS)
+def sent_magnitudes(r, t, counts, old, take, bins):  # pragma: no cover - compiled
+    """Bin the magnitudes of the first ``take`` entries found by the last :func:`scan`.
+
+    Chunk ``c`` adds into ``bins[c]`` (zeroed by the caller): a recorded chunk from its old
+    values, an unmoved one (``counts[c] > CAP``) by rescanning its still unmoved elements.
+    """
+    starts = np.empty(counts.size, np.int64)
+    acc = 0
+    for c in range(counts.size):
+        starts[c] = acc
+        acc += counts[c]
+    for c in prange(counts.size):
+        cnt = counts[c]
+        mine = max(0, min(cnt, take - starts[c]))
+        row = bins[c]
+        if cnt <= CAP:
+            base = c * STRIDE
+            for k in range(base, base + mine):
+                _bin_magnitude(old[k], row)
+        elif mine > 0:
+            lo = c * CHUNK
+            hi = min(lo + CHUNK, r.size)
+            k = 0
+            g = lo
+            while k < mine and g < hi:
+                v = r[g]
+                if abs(v) >= t:
+                    _bin_magnitude(v, row)
+                    k += 1
+                g += 1
+
+
+@njit(**_OPTS)
+def bitmap_magnitudes(r, u, add, t, counts, pending, ent, old, bins):  # pragma: no cover
+    """The first pass of a bitmap that sends the mean magnitude: put back the moves of the last
+    :func:`scan` (with ``pending``), optionally ``r += u``, and bin ``|r|`` of every element
+    with ``|r| >= t`` into ``bins[c]``. Returns the number of such elements."""
+    n = r.size
+    total = 0
+    for c in prange(counts.size):
+        if pending and counts[c] <= CAP:
+            _restore(r, ent, old, c * STRIDE, c * STRIDE + counts[c])
+        lo = c * CHUNK
+        hi = min(lo + CHUNK, n)
+        row = bins[c]
+        hits = 0
+        for g in range(lo, hi):
+            if add:
+                r[g] += u[g]
+            v = r[g]
+            if abs(v) >= t:
+                _bin_magnitude(v, row)
+                hits += 1
+        total += hits
+    return total
+
+
+@njit(fastmath={"reassoc"}, **_OPTS)
+def encode_bitmap_step(r, t, step, words):  # pragma: no cover - compiled
+    """Bitmap-encode ``r`` in place, sending ``±step`` for every element with ``|r| >= t``.
+
+    No half codes (a set sign bit without the magnitude bit would mean ``-step/2``). ``words``
+    as in :func:`encode_bitmap`. Returns ``(elements sent, sum(r*r) after)``.
+    """
+    n = r.size
+    sent = 0
+    sumsq = 0.0
+    zero = t - t
+    for c in prange((n + CHUNK - 1) // CHUNK):
+        lo = c * CHUNK
+        hi = min(lo + CHUNK, n)
+        cs = 0
+        ss = 0.0
+        for w in range(lo // 16, (hi + 15) // 16):
+            acc = np.uint32(0)
+            for j in range(min(16, hi - w * 16)):
+                g = w * 16 + j
+                v = r[g]
+                mag = abs(v) >= t
+                neg = mag & (v < zero)
+                nv = v - ((-step if neg else step) if mag else zero)
+                r[g] = nv
+                ss += nv * nv
+                cs += mag
+                acc |= (np.uint32(mag) << np.uint32(j)) | (np.uint32(neg) << np.uint32(j + 16))
+            words[w] = acc
+        sent += cs
+        sumsq += ss
+    return sent, sumsq
 
 
 @njit(inline="always")
@@ -843,7 +974,8 @@ PARALLEL = {
     k.py_func.__name__: k
     for k in (
         count_nonfinite, take_update, scan, undo, emit_sparse, encode_bitmap, first_bad_entry,
-        decode_sparse, decode_bitmap, decode_sum,
+        decode_sparse, decode_bitmap, decode_sum, sent_magnitudes, bitmap_magnitudes,
+        encode_bitmap_step,
     )
 }  # fmt: skip
 """The kernels that run chunks in parallel, by name."""

@@ -96,6 +96,7 @@ class EncodedGradientsAccumulator:
         dense: share the exact dense updates instead of encoded ones (the oracle).
         post_processor: residual post-processing, cloned for each party.
         boundary: the most entries a sparse message may carry.
+        magnitude: what each sent entry carries (see :class:`~gradshare.Encoder`).
         queue_size: rounds of messages each queue may hold before ``store_update`` raises
             (default 2, as DL4J); DL4J sizes this memory as :func:`optimal_buffer_size`.
         reduction: ``"sum"`` (DL4J) or ``"mean"`` over the active parties.
@@ -111,6 +112,7 @@ class EncodedGradientsAccumulator:
         dense: bool = False,
         post_processor: ResidualPostProcessor | None = None,
         boundary: int | None = None,
+        magnitude: Literal["threshold", "mean"] = "threshold",
         queue_size: int | None = None,
         reduction: Literal["sum", "mean"] = "sum",
         timeout: float | timedelta | None = None,
@@ -126,7 +128,7 @@ class EncodedGradientsAccumulator:
         self.encoders: list[Encoder] | None = None
         if algorithm is not None:
             self.encoders = [
-                Encoder(algorithm.clone(), copy.deepcopy(post_processor), boundary)
+                Encoder(algorithm.clone(), copy.deepcopy(post_processor), boundary, magnitude)
                 for _ in range(num_parties)
             ]
         self.queue_size = queue_size

@@ -6,9 +6,11 @@ followed by either K signed 1-based indices (sparse, ``FLEXIBLE_ENCODING``) or `
 bitmap words (``BITMAP_ENCODING``, 2 bits per element).
 
 Encoding works **in place** on the residual (only the encoded amount ``t`` leaves it; the
-remainder stays, which is the error feedback of Strom 2015). Decoding **adds** into its target and
-validates the whole message first: a bad message raises :class:`MessageError` and leaves the
-target bit-for-bit untouched.
+remainder stays, which is the error feedback of Strom 2015). With ``magnitude="mean"`` the
+header's float is instead m, the mean magnitude of the sent elements (m >= t), and exactly
+``±m`` leaves the residual per sent element: the format, and any DL4J decoder, are unchanged.
+Decoding **adds** into its target and validates the whole message first: a bad message raises
+:class:`MessageError` and leaves the target bit-for-bit untouched.
 
 On CPU, float32 and float64 tensors go through fused numba kernels (:mod:`gradshare._kernels`,
 compiled on first use and cached on disk); CUDA tensors, float16 and bfloat16 go through
@@ -45,6 +47,7 @@ __all__ = [
     "BITMAP_ENCODING",
     "FLEXIBLE_ENCODING",
     "HEADER_WORDS",
+    "MAGNITUDES",
     "MAX_NUMEL",
     "MessageError",
     "MessageInfo",
@@ -54,6 +57,7 @@ __all__ = [
     "decode_sum_",
     "encode_bitmap_",
     "encode_sparse_",
+    "mean_magnitude",
     "message_info",
     "sparse_length",
     "subtract_sum_",
@@ -93,7 +97,8 @@ class MessageInfo:
     numel: int
     """N, the length of the vector it encodes."""
     threshold: float
-    """t, as the float32 stored in word 2."""
+    """The float32 stored in word 2: t, or the mean magnitude of a ``magnitude="mean"``
+    message; each entry moves by it."""
     nbytes: int
     """Size on the wire."""
 
@@ -333,6 +338,9 @@ class Workspace:
         """Qualifying elements found by the last scan."""
         self.sumsq = 0.0
         """``sum(r*r)`` of the residual after the last scan, emit or bitmap."""
+        self.value = 0.0
+        """The float32 value each entry of the last emit or bitmap sends: t, or with
+        ``mean=True`` the mean magnitude of the sent elements (:func:`mean_magnitude`)."""
         self._t = 0.0
         self._n = 0
         self._ts: Any = None
@@ -344,6 +352,7 @@ class Workspace:
         self._offsets = np.zeros(0, np.int64)
         self._ent = np.zeros(0, np.int32)
         self._old: dict[Any, np.ndarray] = {}
+        self._bins = np.zeros((0, 0), np.int64)
         self._fit: tuple[int, Any, int, np.ndarray, np.ndarray, np.ndarray] | None = None
         """(N, dtype, chunks, counts, offsets, old) of the last size served."""
         self._pending: tuple[torch.Tensor, np.ndarray] | None = None
@@ -375,6 +384,14 @@ class Workspace:
             ts = self._ts = dtype.type(t)
             self._bits = _threshold_bits(t)
         return ts
+
+    def _zeroed_bins(self, chunks: int) -> np.ndarray:
+        """Per-chunk exponent bins for :func:`mean_magnitude`, zeroed (grown as needed)."""
+        if self._bins.shape[0] < chunks:
+            self._bins = np.zeros((chunks, _k().NBINS), np.int64)
+        bins = self._bins[:chunks]
+        bins.fill(0)
+        return bins
 
     def settle_(self) -> None:
         """Undo the moves a fused ``scan_`` made ahead, if no ``emit_``/``bitmap_`` followed."""
@@ -427,19 +444,33 @@ class Workspace:
         _launch("scan", r, r, False, ts, counts, self._ent, old)
         return r
 
-    def emit_(self, residual: torch.Tensor, limit: int | None = None) -> torch.Tensor:
-        """Encode the first ``limit`` (default all) elements found by the last scan."""
+    def emit_(
+        self, residual: torch.Tensor, limit: int | None = None, *, mean: bool = False
+    ) -> torch.Tensor:
+        """Encode the first ``limit`` (default all) elements found by the last scan.
+
+        Each sent element leaves the residual as ``±t``, or with ``mean`` as ``±m``, the mean
+        magnitude of the sent elements (:func:`mean_magnitude`), which the header then carries.
+        """
         t, n = self._t, self._n
         count = self.count
         take = count if limit is None or limit >= count else limit
+        mean = mean and take > 0
         if _use_kernels(residual):
             message = torch.empty(take + HEADER_WORDS, dtype=torch.int32)
             r = self._take_pending(residual)
-            _, counts, offsets, old = self._reserve(n, r.dtype)
+            nch, counts, offsets, old = self._reserve(n, r.dtype)
             ts = self._scalar(t, r.dtype)
+            step, bits, self.value = ts, self._bits, t
+            if mean:
+                bins = self._zeroed_bins(nch)
+                _launch("sent_magnitudes", r, ts, counts, old, take, bins, small=count < _SMALL)
+                self.value = mean_magnitude(bins.sum(axis=0), take)
+                step, bits = r.dtype.type(self.value), _threshold_bits(self.value)
             dsumsq = _launch(
                 "emit_sparse",
-                *(r, ts, counts, offsets, self._ent, old, take, message.numpy(), self._bits),
+                *(r, ts, step, mean, counts, offsets, self._ent, old, take),
+                *(message.numpy(), bits),
                 small=count < _SMALL,
             )
             self.sumsq += dsumsq
@@ -447,22 +478,32 @@ class Workspace:
         message = torch.empty(take + HEADER_WORDS, dtype=torch.int32, device=residual.device)
         if self._pending is not None:
             self.settle_()
-        _write_header(message, take, n, t, FLEXIBLE_ENCODING)
         assert self._idx is not None
         idx = self._idx[:take]
         x = residual[idx]
         xf = x.float() if x.dtype not in _KERNEL_DTYPES else x
+        self.value = mean_magnitude(_torch_bins(xf), take) if mean else t
+        _write_header(message, take, n, self.value, FLEXIBLE_ENCODING)
         pos = xf >= t
-        moved = torch.where(pos, xf - t, xf + t)
+        moved = torch.where(pos, xf - self.value, xf + self.value)
         residual[idx] = moved.to(residual.dtype)
         message[HEADER_WORDS:] = torch.where(pos, idx + 1, -(idx + 1)).to(torch.int32)
         self.sumsq += float(moved.double().square().sum() - xf.double().square().sum())
         return message
 
     def bitmap_(
-        self, residual: torch.Tensor, t: float, update: torch.Tensor | None = None
+        self,
+        residual: torch.Tensor,
+        t: float,
+        update: torch.Tensor | None = None,
+        *,
+        mean: bool = False,
     ) -> tuple[torch.Tensor, int]:
-        """``residual += update`` (if given), bitmap-encode it in place; return message, sent."""
+        """``residual += update`` (if given), bitmap-encode it in place; return message, sent.
+
+        With ``mean`` every element with ``|x| >= t`` is sent as ``±m``, the mean of their
+        magnitudes (:func:`mean_magnitude`), and no element as the half step ``-m/2``.
+        """
         n = residual.numel()
         message = torch.empty(bitmap_length(n), dtype=torch.int32, device=residual.device)
         pend = self._pending
@@ -471,6 +512,9 @@ class Workspace:
             self.settle_()
             pending = False
         self._pending = None
+        self.value = t
+        if mean:
+            return self._bitmap_mean(residual, t, update, message, pending)
         if _use_kernels(residual):
             r = _array(residual)
             u = r if update is None else _array(update)
@@ -501,6 +545,48 @@ class Workspace:
         self.sumsq = sumsq
         return message, sent
 
+    def _bitmap_mean(
+        self,
+        residual: torch.Tensor,
+        t: float,
+        update: torch.Tensor | None,
+        message: torch.Tensor,
+        pending: bool,
+    ) -> tuple[torch.Tensor, int]:
+        """:meth:`bitmap_` with ``mean``: one pass to bin the magnitudes, one to encode."""
+        n = residual.numel()
+        if _use_kernels(residual):
+            r = _array(residual)
+            u = r if update is None else _array(update)
+            nch, counts, _, old = self._reserve(n, r.dtype)
+            bins = self._zeroed_bins(nch)
+            ts = self._scalar(t, r.dtype)
+            args = (r, u, update is not None, ts, counts, pending, self._ent, old, bins)
+            hits = _launch("bitmap_magnitudes", *args)
+            self.value = m = mean_magnitude(bins.sum(axis=0), hits) if hits else t
+            msg = message.numpy()
+            msg[:HEADER_WORDS] = (n, n, _threshold_bits(m), BITMAP_ENCODING)
+            msg[-1] = 0
+            step = r.dtype.type(m)
+            words = msg[HEADER_WORDS:].view(np.uint32)
+            sent, self.sumsq = _launch("encode_bitmap_step", r, ts, step, words)
+            return message, sent
+        if update is not None:
+            residual.add_(update)
+        x = residual.detach()
+        x = x.float() if x.dtype not in _KERNEL_DTYPES else x
+        mag = x.abs() >= t
+        hits = int(mag.sum())
+        self.value = m = mean_magnitude(_torch_bins(x[mag]), hits) if hits else t
+        _write_header(message, n, n, m, BITMAP_ENCODING)
+        step = torch.tensor(m, dtype=x.dtype, device=x.device)
+        neg = mag & (x < 0)
+        moved = x - torch.where(mag, torch.where(neg, -step, step), 0 * step)
+        residual.copy_(moved)
+        message[HEADER_WORDS:] = _pack_codes(mag, neg)
+        self.sumsq = float(moved.double().square().sum())
+        return message, hits
+
 
 def _array(x: torch.Tensor) -> np.ndarray:
     """The numpy view of a CPU tensor (no copy)."""
@@ -522,7 +608,6 @@ def _write_header(message: torch.Tensor, first: int, numel: int, t: float, fmt: 
 
 
 def _torch_bitmap_(residual: torch.Tensor, t: float) -> tuple[torch.Tensor, int, float]:
-    n = residual.numel()
     x = residual.detach()
     x = x.float() if x.dtype not in _KERNEL_DTYPES else x
     half = t / 2
@@ -535,14 +620,62 @@ def _torch_bitmap_(residual: torch.Tensor, t: float) -> tuple[torch.Tensor, int,
     delta = torch.where(mag, torch.where(neg, -step, step), torch.where(hneg, -step / 2, 0 * step))
     moved = x - delta
     residual.copy_(moved)
-    nwords = n // 16 + 1
-    codes = torch.zeros(nwords * 16, dtype=torch.int64, device=x.device)
-    codes[:n] = mag.long() | (sgn.long() << 16)
-    shifts = torch.arange(16, device=x.device, dtype=torch.int64)
-    words = (codes.view(nwords, 16) << shifts).sum(dim=1)
-    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
     sent = int((mag | hneg).sum())
-    return words, sent, float(moved.double().square().sum())
+    return _pack_codes(mag, sgn), sent, float(moved.double().square().sum())
+
+
+def _pack_codes(mag: torch.Tensor, sgn: torch.Tensor) -> torch.Tensor:
+    """The ``N//16 + 1`` int32 bitmap words of per-element magnitude and sign bits."""
+    n = mag.numel()
+    nwords = n // 16 + 1
+    codes = torch.zeros(nwords * 16, dtype=torch.int64, device=mag.device)
+    codes[:n] = mag.long() | (sgn.long() << 16)
+    shifts = torch.arange(16, device=mag.device, dtype=torch.int64)
+    words = (codes.view(nwords, 16) << shifts).sum(dim=1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+# --------------------------------------------------------------------------- mean magnitude
+
+MAGNITUDES = ("threshold", "mean")
+"""What a message's header float holds: t, or the mean magnitude of the sent elements."""
+_NBINS = 280  # _kernels.NBINS, without importing numba
+
+
+def check_magnitude(magnitude: Any) -> bool:
+    """Return whether ``magnitude`` asks for the mean (``"mean"``), or raise ValueError."""
+    if magnitude not in MAGNITUDES:
+        raise ValueError(
+            f"Expect `magnitude` to be 'threshold' or 'mean', got {magnitude!r}: the header's "
+            "float is either t or the mean magnitude of the elements the message sends."
+        )
+    return bool(magnitude == "mean")
+
+
+def mean_magnitude(bins: np.ndarray, count: int) -> float:
+    """The float32 mean of ``count`` magnitudes given by their exponent ``bins``.
+
+    Each magnitude ``|x|`` is taken as a float32 (inf and values past the float32 range as
+    the largest float32); it equals ``q * 2**(e - 24)`` with ``(q, e) = frexp`` and
+    ``bins[e + 149]`` holds the int64 sum of its ``q``. So the sum is exact, in any order and
+    on any device; the mean is that sum divided by ``count``, rounded to float64 and then to
+    float32. Every magnitude is >= t, and so is the mean.
+    """
+    total = 0
+    for k in np.flatnonzero(bins).tolist():
+        total += int(bins[k]) << k
+    mean = total / (count << (149 + 24))  # exact int division, correctly rounded
+    return float(_F32.unpack(_F32.pack(min(mean, _F32_MAX)))[0])
+
+
+def _torch_bins(x: torch.Tensor) -> np.ndarray:
+    """The exponent bins of ``|x|`` (see :func:`mean_magnitude`), on any device."""
+    a = x.detach().abs().clamp(max=_F32_MAX).float()
+    mant, exp = torch.frexp(a)
+    q = (mant * 2.0**24).long()
+    bins = torch.zeros(_NBINS, dtype=torch.int64, device=x.device)
+    bins.index_add_(0, (exp + 149).long(), q)
+    return bins.cpu().numpy()
 
 
 def _workspace() -> Workspace:
@@ -565,7 +698,11 @@ def check_boundary(boundary: int | None) -> None:
 
 
 def encode_sparse_(
-    residual: torch.Tensor, threshold: float, boundary: int | None = None
+    residual: torch.Tensor,
+    threshold: float,
+    boundary: int | None = None,
+    *,
+    magnitude: str = "threshold",
 ) -> torch.Tensor | None:
     """Sparse-encode ``residual`` in place; return the message, or None if fewer than 2 qualify.
 
@@ -574,10 +711,15 @@ def encode_sparse_(
     qualifying elements (ascending index) are sent and moved. When fewer than 2 elements qualify
     nothing is sent and ``residual`` is untouched (DL4J's rule).
 
+    With ``magnitude="mean"`` the header carries m, the float32 mean of ``|x|`` over the sent
+    elements (:func:`mean_magnitude`; m >= t), instead of t, and each sent element moves by m:
+    a DL4J decoder adds ``±m`` per entry, exactly what left the residual.
+
     Args:
         residual: 1-D contiguous float tensor, changed in place.
         threshold: t > 0; rounded to float32 first, as the wire stores it.
         boundary: the most entries a message may carry, or None for no cap.
+        magnitude: ``"threshold"`` (send t, DL4J's encoder) or ``"mean"`` (send m).
 
     Returns:
         An int32 message of ``K + 4`` words on ``residual``'s device, or None.
@@ -585,22 +727,30 @@ def encode_sparse_(
     check_vector(residual, "residual")
     t = float32_threshold(threshold)
     check_boundary(boundary)
+    mean = check_magnitude(magnitude)
     ws = _workspace()
     if ws.scan_(residual, None, t) < 2:
         return None
-    return ws.emit_(residual, boundary)
+    return ws.emit_(residual, boundary, mean=mean)
 
 
-def encode_bitmap_(residual: torch.Tensor, threshold: float) -> torch.Tensor:
+def encode_bitmap_(
+    residual: torch.Tensor, threshold: float, *, magnitude: str = "threshold"
+) -> torch.Tensor:
     """Bitmap-encode ``residual`` in place and return the ``N//16 + 5``-word message.
 
     For each element v: if ``|v| >= t`` it is sent as ``±t`` and moved toward zero by t; else if
     ``v <= -t/2`` it is sent as ``-t/2`` and ``t/2`` is added; else nothing (positive values in
     ``[t/2, t)`` stay: DL4J's asymmetry, kept so that messages match bit for bit).
+
+    With ``magnitude="mean"`` the elements with ``|v| >= t`` are sent as ``±m`` and moved by m,
+    m being the float32 mean of their ``|v|`` (:func:`mean_magnitude`), which the header
+    carries; no half steps are sent (they would mean ``-m/2``).
     """
     check_vector(residual, "residual")
     t = float32_threshold(threshold)
-    return _workspace().bitmap_(residual, t)[0]
+    mean = check_magnitude(magnitude)
+    return _workspace().bitmap_(residual, t, mean=mean)[0]
 
 
 # --------------------------------------------------------------------------- decode

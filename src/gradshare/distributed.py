@@ -121,6 +121,8 @@ class SharedOptimizer(torch.optim.Optimizer):
         reduction: ``"sum"`` (DL4J) or ``"mean"`` over ranks.
         timeout: how long a collective may wait for the other ranks before raising (default
             :data:`gradshare.accumulator.DEFAULT_TIMEOUT`).
+        magnitude: what each sent entry carries, passed to the :class:`~gradshare.Encoder`:
+            ``"threshold"`` (t) or ``"mean"`` (the mean magnitude of the sent elements).
         ddp: the ``DistributedDataParallel`` model these parameters belong to, for a model
             that stays wrapped in DDP (Lightning, accelerate, code that expects it). Its
             gradient all-reduce is replaced by a hook that leaves every gradient local (no
@@ -146,6 +148,7 @@ class SharedOptimizer(torch.optim.Optimizer):
         process_group: Any = None,
         reduction: Literal["sum", "mean"] = "sum",
         timeout: float | timedelta | None = None,
+        magnitude: Literal["threshold", "mean"] = "threshold",
         ddp: DistributedDataParallel | None = None,
     ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -173,7 +176,11 @@ class SharedOptimizer(torch.optim.Optimizer):
         self.timeout = timedelta(seconds=to_seconds(timeout))
         self._private = PrivateGroup(process_group, self.timeout)
         """Where the exchanges run: gloo ends a stuck one at this optimizer's timeout."""
-        self.encoder = None if algorithm is None else Encoder(algorithm.clone(), post_processor)
+        self.encoder = (
+            None
+            if algorithm is None
+            else Encoder(algorithm.clone(), post_processor, magnitude=magnitude)
+        )
         """This rank's encoder (None: exact dense updates are all-reduced, the oracle)."""
         self.iteration = 0
         self.bytes_sent = 0
@@ -348,7 +355,8 @@ class SharedOptimizer(torch.optim.Optimizer):
         if (ours["encoder"] is None) != (self.encoder is None):
             raise ValueError("Checkpoint and optimizer differ in mode (encoded vs `dense=True`).")
         if self.encoder is not None:  # everything that can refuse runs before any change
-            probe = Encoder(self.encoder.algorithm.clone(), self.encoder.post_processor)
+            enc = self.encoder
+            probe = Encoder(enc.algorithm.clone(), enc.post_processor, magnitude=enc.magnitude)
             probe.load_state_dict(ours["encoder"])
         self.optim.load_state_dict(optim_state)  # refuses before changing anything
         if self.encoder is not None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -26,7 +26,10 @@ class EncodeStats:
 
     iteration: int
     threshold: float
-    """t used for this message (float32-rounded)."""
+    """t used to select this message's elements (float32-rounded)."""
+    value: float
+    """The float32 each entry sends (the header's float): t, or with ``magnitude="mean"`` the
+    mean magnitude of the sent elements (t when nothing was sent)."""
     format: str | None
     """``"sparse"``, ``"bitmap"``, or None when nothing was sent."""
     entries: int
@@ -61,7 +64,13 @@ class Encoder:
        (the residual is left as it is and the algorithm is told sparsity 0, so t falls);
        else DL4J's cut-off, a bitmap when ``K + 4 >= N // 16`` (K capped by ``boundary``),
        else sparse;
-    5. encodes in place (only t per sent element leaves the residual) and post-processes.
+    5. encodes in place (only t per sent element leaves the residual; with
+       ``magnitude="mean"`` the header carries m, the mean ``|x|`` of the sent elements, and
+       m leaves per sent element) and post-processes.
+
+    ``magnitude="mean"`` sends more of the residual per entry (m >= t) in the same bytes,
+    and any DL4J decoder still reads the message. The threshold algorithm still sees t and
+    the density, as with ``"threshold"``. A bitmap then sends no half steps.
 
     The conservation law holds at every step: the sum of all updates equals the sum of all
     decoded messages plus the residual plus the clipped mass, to float rounding.
@@ -72,6 +81,9 @@ class Encoder:
             fresh one per worker.
         post_processor: residual post-processing after each message (default none).
         boundary: the most entries a sparse message may carry, or None.
+        magnitude: the header's float: ``"threshold"`` (t, DL4J's encoder) or ``"mean"``
+            (the float32 mean magnitude of the sent elements). A setting: a
+            :meth:`load_state_dict` of a state saved with another one is refused.
 
     Example::
 
@@ -88,8 +100,11 @@ class Encoder:
         threshold: ThresholdAlgorithm | None = None,
         post_processor: ResidualPostProcessor | None = None,
         boundary: int | None = None,
+        magnitude: Literal["threshold", "mean"] = "threshold",
     ) -> None:
         codec.check_boundary(boundary)
+        self._mean = codec.check_magnitude(magnitude)
+        self.magnitude = magnitude
         self.algorithm: ThresholdAlgorithm = resolve(threshold)
         self.post_processor: ResidualPostProcessor = post_processor or NoResidualProcessing()
         self.boundary = boundary
@@ -166,17 +181,19 @@ class Encoder:
             message, entries, fmt = None, 0, None
             self._last = (t, False, 0.0)
         elif codec.sparse_length(limit) >= n // 16:
-            message, entries = self._ws.bitmap_(residual, t)
+            message, entries = self._ws.bitmap_(residual, t, mean=self._mean)
             fmt = "bitmap"
             self._last = (t, True, None)
         else:
-            message, entries, fmt = self._ws.emit_(residual, limit), limit, "sparse"
+            message = self._ws.emit_(residual, limit, mean=self._mean)
+            entries, fmt = limit, "sparse"
             self._last = (t, False, entries / n)
         clipped = float(self.post_processor.process_(iteration, epoch, t, residual))
         sumsq = self._ws.sumsq if clipped == 0 else float(residual.double().square().sum())
         self.last_stats = EncodeStats(
             iteration=iteration,
             threshold=t,
+            value=t if message is None else self._ws.value,
             format=fmt,
             entries=entries,
             density=entries / n,
@@ -196,11 +213,16 @@ class Encoder:
             "algorithm": self.algorithm.state_dict(),
             "post_processor": self.post_processor.state_dict(),
             "boundary": self.boundary,
+            "magnitude": self.magnitude,
             "last": list(self._last),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict`; on any mismatch raise and change nothing."""
+        """Restore a :meth:`state_dict`; on any mismatch raise and change nothing.
+
+        A state saved with another ``magnitude`` is refused (states from before that setting
+        existed count as ``"threshold"``).
+        """
         missing = {"residual", "algorithm", "post_processor", "boundary", "last"} - set(state)
         if missing:
             raise ValueError(f"Encoder state is missing {sorted(missing)}: is it an Encoder's?")
@@ -219,6 +241,12 @@ class Encoder:
                     f"{self.residual.numel()}: the checkpoint is of another model."
                 )
         codec.check_boundary(state["boundary"])
+        saved = state.get("magnitude", "threshold")
+        if saved != self.magnitude:
+            raise ValueError(
+                f"Saved encoder state has `magnitude` {saved!r}, this encoder {self.magnitude!r}:"
+                f" build the encoder with magnitude={saved!r} to resume that run."
+            )
         probe_alg = self.algorithm.clone()
         probe_alg.load_state_dict(state["algorithm"])
         self.post_processor.load_state_dict(state["post_processor"])

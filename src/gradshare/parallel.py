@@ -84,6 +84,7 @@ class ParallelWrapper:
             the model's device for all.
         reduction: ``"sum"`` (DL4J: each worker's update applies in full) or ``"mean"``.
         boundary: the most entries a sparse message may carry.
+        magnitude: what each sent entry carries (see :class:`~gradshare.Encoder`).
         timeout: seconds (or a timedelta) a worker waits for the others before failing
             (default :data:`gradshare.accumulator.DEFAULT_TIMEOUT`).
 
@@ -109,6 +110,7 @@ class ParallelWrapper:
         devices: Sequence[torch.device | str] | None = None,
         reduction: Literal["sum", "mean"] = "sum",
         boundary: int | None = None,
+        magnitude: Literal["threshold", "mean"] = "threshold",
         timeout: float | timedelta | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
@@ -144,6 +146,7 @@ class ParallelWrapper:
             dense=dense,
             post_processor=post_processor,
             boundary=boundary,
+            magnitude=magnitude,
             reduction=reduction,
             timeout=timeout,
         )
