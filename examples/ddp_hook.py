@@ -5,8 +5,8 @@
 
 An ordinary DDP training loop plus one line, ``register_threshold_hook(ddp_model)``: each
 bucket's gradient is threshold-encoded with error feedback, exchanged, and the mean of the
-decoded gradients goes to the optimizer. The hook state (residuals, threshold) checkpoints per
-rank with ``state.state_dict()``.
+decoded gradients goes to the optimizer. The hook state (a residual and a threshold per
+parameter) checkpoints per rank with ``state.state_dict()``.
 """
 
 from __future__ import annotations

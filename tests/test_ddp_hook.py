@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import io
+import math
 import pickle
 import time
+from typing import ClassVar
 
 import pytest
 import torch
@@ -13,12 +15,16 @@ from torch import nn
 from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import gradshare.ddp_hook as hook_module
 from gradshare import (
     AdaptiveThreshold,
+    Encoder,
+    FixedThreshold,
     ThresholdHookState,
     register_threshold_hook,
     threshold_hook,
 )
+from gradshare.codec import MessageError, decode_
 from gradshare.datasets import digits, minibatches, mlp
 
 from toys import toy_batches
@@ -29,14 +35,7 @@ def _rank_conservation(rank: int, world: int, steps: int) -> float:
     """Σ hook results = Σ true mean gradients - mean of the ranks' residuals, per parameter."""
     hooked, plain = DDP(mlp(10, 3, hidden=32, seed=0)), DDP(mlp(10, 3, hidden=32, seed=0))
     state = ThresholdHookState(threshold=AdaptiveThreshold(1e-2))
-    buckets: dict[int, list[nn.Parameter]] = {}
-
-    def recording_hook(hook_state, bucket):  # type: ignore[no-untyped-def]  # DDP checks names
-        buckets[bucket.index()] = list(bucket.parameters())  # the layout after the rebuild
-        return threshold_hook(hook_state, bucket)
-
-    hooked.register_comm_hook(state, recording_hook)
-    names = {id(p): n for n, p in hooked.named_parameters()}
+    hooked.register_comm_hook(state, threshold_hook)
     got = {n: torch.zeros_like(p, dtype=torch.float64) for n, p in hooked.named_parameters()}
     true = {n: torch.zeros_like(p, dtype=torch.float64) for n, p in plain.named_parameters()}
     for x, y in toy_batches(steps * world)[rank::world]:  # no optimizer: parameters stay put
@@ -46,16 +45,11 @@ def _rank_conservation(rank: int, world: int, steps: int) -> float:
             for n, p in model.named_parameters():
                 total[n] += p.grad.double()
     gap = 0.0
-    for index, params in buckets.items():
-        residual = state.encoders[index].residual.double().clone()
+    for n, p in hooked.named_parameters():
+        residual = state.encoders[state._keys[id(p)]].residual.double().clone()
         dist.all_reduce(residual)
         residual /= world
-        offset = 0
-        for p in params:
-            n = names[id(p)]
-            expected = true[n] - residual[offset : offset + p.numel()].view_as(p)
-            gap = max(gap, float((got[n] - expected).abs().max()))
-            offset += p.numel()
+        gap = max(gap, float((got[n] - (true[n] - residual.view_as(p))).abs().max()))
     assert state.iteration == steps and any(
         float(e.residual.abs().max()) > 0 for e in state.encoders.values()
     )
@@ -206,52 +200,6 @@ class TestOverlap:
         assert "Rank 0" in zero and "rank(s) [1] failed" in zero, zero
 
 
-class TestRelayout:
-    """Residuals follow their parameters across bucket layouts: nothing is lost or mixed up."""
-
-    @staticmethod
-    def _state_with(residuals: dict[int, tuple[list, list[float]]]) -> ThresholdHookState:
-        state = ThresholdHookState()
-        for index, (layout, values) in residuals.items():
-            enc = state._encoder(index, layout, torch.device("cpu"))
-            enc.residual = torch.tensor(values)
-        return state
-
-    def test_buckets_swapping_their_parameters_keep_every_residual(self) -> None:
-        """Bucket 0's old layout shared no parameter with its new one, so its residual was
-        never taken apart and bucket 1's parameters lost theirs (sum 15 -> 12 here)."""
-        state = self._state_with({0: ([(0, 0, 2)], [1.0, 2.0]), 1: ([(0, 1, 3)], [3.0, 4.0, 5.0])})
-        cpu = torch.device("cpu")
-        first = state._encoder(0, [(0, 1, 3)], cpu)
-        assert first.residual is not None and first.residual.tolist() == [3.0, 4.0, 5.0]
-        second = state._encoder(1, [(0, 0, 2)], cpu)
-        assert second.residual is not None and second.residual.tolist() == [1.0, 2.0]
-        assert not state.loose
-
-    def test_parameter_of_another_size_is_refused_before_anything_moves(self) -> None:
-        state = self._state_with({0: ([(0, 0, 2), (0, 1, 3)], [1.0, 2.0, 3.0, 4.0, 5.0])})
-        restored = ThresholdHookState()
-        restored.load_state_dict(state.state_dict())
-        with pytest.raises(ValueError, match="another model"):
-            restored._encoder(0, [(0, 0, 2), (0, 1, 4)], torch.device("cpu"))
-        assert restored.encoders[0].residual is not None
-        assert restored.encoders[0].residual.tolist() == [1.0, 2.0, 3.0, 4.0, 5.0]
-        assert restored.layouts[0] == [(0, 0, 2), (0, 1, 3)]
-
-    def test_corrupted_state_refused_whole(self) -> None:
-        state = self._state_with({0: ([(0, 0, 2)], [1.0, 2.0])})
-        saved = state.state_dict()
-        saved["encoders"][0]["residual"] = torch.tensor([1.0, float("nan")])
-        restored = ThresholdHookState()
-        with pytest.raises(ValueError, match="non-finite"):
-            restored.load_state_dict(saved)
-        assert restored.encoders == {} and restored.iteration == 0
-        saved = state.state_dict()
-        saved["layouts"][0] = [[0, 0, 3]]
-        with pytest.raises(ValueError, match="corrupted"):
-            restored.load_state_dict(saved)
-
-
 def _rank_other_rank_state(rank: int, world: int) -> str:
     state = ThresholdHookState()
     saved = state.state_dict()
@@ -267,3 +215,360 @@ def _rank_other_rank_state(rank: int, world: int) -> str:
 def test_hook_state_of_another_rank_is_refused() -> None:
     for r in spawn(_rank_other_rank_state, 2):
         assert "saved by rank" in r.get()
+
+
+def _net(seed: int = 0) -> nn.Module:
+    """A model of about 9,500 parameters in 8 tensors: one bucket in a DDP's first iteration,
+    three after DDP rebuilds them (``bucket_cap_mb=0.01``)."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
+                         nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))  # fmt: skip
+
+
+def _batches(rank: int, world: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g))
+            for _ in range(count * world)]  # fmt: skip
+    return data[rank::world]
+
+
+def _flat(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def _rank_resume_several_buckets(rank: int, world: int, steps: int) -> list[bool]:
+    batches = _batches(rank, world, steps)
+    same = []
+    for momentum in (0.0, 0.9):
+
+        def make(m: float = momentum) -> tuple[DDP, torch.optim.Optimizer, ThresholdHookState]:
+            model = DDP(_net(), bucket_cap_mb=0.01)
+            state = register_threshold_hook(model, threshold=AdaptiveThreshold(1e-2), momentum=m)
+            opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9 - m)
+            return model, opt, state
+
+        whole, whole_opt, _ = make()
+        _train(whole, whole_opt, batches)
+        first, first_opt, first_state = make()
+        _train(first, first_opt, batches[: steps // 2])
+        buf = io.BytesIO()
+        torch.save({"model": first.state_dict(), "opt": first_opt.state_dict(),
+                    "hook": first_state.state_dict()}, buf)  # fmt: skip
+        del first, first_opt, first_state
+        buf.seek(0)
+        saved = torch.load(buf, weights_only=False)
+        resumed, resumed_opt, resumed_state = make()
+        resumed.load_state_dict(saved["model"])
+        resumed_opt.load_state_dict(saved["opt"])
+        resumed_state.load_state_dict(saved["hook"])
+        _train(resumed, resumed_opt, batches[steps // 2 :])
+        same.append(torch.equal(_flat(whole), _flat(resumed)))
+    return same
+
+
+def _rank_replicas(rank: int, world: int, steps: int) -> dict:
+    batches = _batches(rank, world, steps)
+    out: dict = {}
+    for name, kwargs in [("default", {}), ("zero", {"momentum": 0.0}),
+                         ("dgc", {"momentum": 0.9})]:  # fmt: skip
+        model = DDP(_net(), bucket_cap_mb=0.01)
+        buckets: set[int] = set()
+
+        def hook(hook_state, bucket):  # type: ignore[no-untyped-def]  # DDP checks names
+            buckets.add(bucket.index())  # noqa: B023 - called within this iteration
+            return threshold_hook(hook_state, bucket)
+
+        state = ThresholdHookState(threshold=AdaptiveThreshold(1e-2), **kwargs)
+        model.register_comm_hook(state, hook)
+        _train(model, torch.optim.SGD(model.parameters(), lr=0.05), batches)
+        out[name] = _flat(model)
+        out["buckets"] = len(buckets)
+    return out
+
+
+class TestPerParameterState:
+    """Every residual, threshold and velocity belongs to one parameter, whatever bucket it
+    travels in; a bucket's message is its parameters' messages back to back."""
+
+    def test_resume_with_several_buckets_is_bit_for_bit(self) -> None:
+        """A fresh DDP's first iteration lays the buckets out otherwise than the rebuilt ones
+        (here one bucket, then three): threshold state kept per bucket went to other
+        parameters on resume and the runs parted. 20 steps straight equal 10 + checkpoint +
+        10, bit for bit, with and without momentum correction."""
+        for r in spawn(_rank_resume_several_buckets, 2, 20):
+            assert r.get() == [True, True]
+
+    def test_replicas_agree_with_several_buckets_and_momentum_0_is_the_default(self) -> None:
+        for world in (2, 3):
+            results = [r.get() for r in spawn(_rank_replicas, world, 6)]
+            assert results[0]["buckets"] >= 3
+            for name in ("default", "dgc"):
+                assert all(torch.equal(r[name], results[0][name]) for r in results), name
+            assert torch.equal(results[0]["zero"], results[0]["default"])
+            assert not torch.equal(results[0]["dgc"], results[0]["default"])
+
+
+def _rank_own_conservation(rank: int, world: int, steps: int) -> float:
+    """Per parameter: Σ local gradients fed = Σ this rank's own decoded pieces + residual."""
+    model, local = DDP(_net(), bucket_cap_mb=0.01), _net()  # no optimizer: both stay put
+    state = register_threshold_hook(model, threshold=AdaptiveThreshold(1e-2), start_iter=0)
+    own = {n: torch.zeros(p.numel(), dtype=torch.float64) for n, p in local.named_parameters()}
+    fed = {n: torch.zeros(p.numel(), dtype=torch.float64) for n, p in local.named_parameters()}
+    names = {id(p): n.removeprefix("module.") for n, p in model.named_parameters()}
+    split = hook_module._split
+
+    def spy(message, params, name):  # type: ignore[no-untyped-def]
+        pieces = split(message, params, name)
+        if name == f"rank {rank}":
+            by_place = {place: key for key, place in state._keys.items()}
+            for (place, n), piece in zip(params, pieces, strict=True):
+                if piece is not None:
+                    decoded = decode_(piece, torch.zeros(n, dtype=torch.float64))
+                    own[names[by_place[place]]] += decoded
+        return pieces
+
+    hook_module._split = spy  # type: ignore[assignment]
+    for x, y in _batches(rank, world, steps):
+        model.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        local.zero_grad()
+        F.cross_entropy(local(x), y).backward()
+        for n, p in local.named_parameters():
+            fed[n] += p.grad.reshape(-1).double()
+    hook_module._split = split  # type: ignore[assignment]
+    gap = 0.0
+    for p in model.parameters():
+        residual = state.encoders[state._keys[id(p)]].residual.double()  # type: ignore[union-attr]
+        n = names[id(p)]
+        assert float(own[n].abs().max()) > 0, n  # every parameter sent something
+        gap = max(gap, float((own[n] + residual - fed[n]).abs().max()))
+    return gap
+
+
+def _rank_bad_concatenation(rank: int, world: int) -> dict:
+    model, local = DDP(_net(), bucket_cap_mb=0.01), _net()
+    state = register_threshold_hook(model, threshold=FixedThreshold(1e-3), start_iter=0,
+                                    timeout=30)  # fmt: skip
+    concatenate, decode_sum = hook_module._concatenate, hook_module.codec.decode_sum_
+    decoded: list[int] = []
+
+    def bad(*args):  # type: ignore[no-untyped-def]
+        message = concatenate(*args)
+        return torch.cat([message, message[-1:]])  # one word left over
+
+    def counting(*args, **kwargs):  # type: ignore[no-untyped-def]
+        decoded.append(1)
+        return decode_sum(*args, **kwargs)
+
+    if rank == 1:
+        hook_module._concatenate = bad  # type: ignore[assignment]
+    hook_module.codec.decode_sum_ = counting  # type: ignore[assignment]
+    x, y = _batches(rank, world, 1)[0]
+    error = "no error"
+    try:
+        F.cross_entropy(model(x), y).backward()
+    except Exception as e:
+        error = f"{type(e).__name__}: {e}"
+    hook_module.codec.decode_sum_ = decode_sum  # type: ignore[assignment]
+    hook_module._concatenate = concatenate  # type: ignore[assignment]
+    F.cross_entropy(local(x), y).backward()
+    # every rank's own message went back: each residual holds the whole local gradient
+    params = {n.removeprefix("module."): p for n, p in model.named_parameters()}
+    gap = 0.0
+    for n, p in local.named_parameters():
+        residual = state.encoders[state._keys[id(params[n])]].residual
+        assert residual is not None
+        gap = max(gap, float((residual - p.grad.reshape(-1)).abs().max()))
+    return {"error": error, "decoded": len(decoded), "gap": gap}
+
+
+def _rank_two_scales(rank: int, world: int, steps: int) -> list[float]:
+    class TwoScales(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.big = nn.Parameter(torch.zeros(64))
+            self.small = nn.Parameter(torch.zeros(64))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return (self.big * x).sum() + 1e-6 * (self.small * x).sum()
+
+    model = DDP(TwoScales())
+    state = register_threshold_hook(model, threshold=AdaptiveThreshold(1e-3), start_iter=0)
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(steps):
+        model.zero_grad()
+        model(torch.rand(64, generator=g)).backward()
+    inner = model.module
+    return [state.last_stats[state._keys[id(p)]].threshold for p in (inner.big, inner.small)]
+
+
+class _TwoLinear(nn.Module):
+    """``(w * gw).sum() + (v * gv).sum()``: the gradients are the inputs, exactly."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(8))  # a bitmap every step (8 // 16 words always fit)
+        self.v = nn.Parameter(torch.zeros(256))  # sparse: K + 4 < 256 // 16 for K <= 11
+
+    def forward(self, gw: torch.Tensor, gv: torch.Tensor) -> torch.Tensor:
+        return (self.w * gw).sum() + (self.v * gv).sum()
+
+
+def _rank_velocity(rank: int, world: int, steps: int) -> bool:
+    """The velocity and residual after each step equal a hand computation of DGC."""
+    m, t = 0.9, 1.0
+    model = DDP(_TwoLinear())
+    state = register_threshold_hook(model, threshold=FixedThreshold(t), start_iter=0,
+                                    momentum=m)  # fmt: skip
+    u = {"w": torch.zeros(8), "v": torch.zeros(256)}
+    r = {"w": torch.zeros(8), "v": torch.zeros(256)}
+    g = torch.Generator().manual_seed(rank)
+    formats = set()
+    for _ in range(steps):
+        grads = {"w": torch.randint(0, 3, (8,), generator=g) * 0.25,
+                 "v": (torch.rand(256, generator=g) < 0.02) * 0.75}  # fmt: skip
+        model.zero_grad()
+        model(grads["w"], grads["v"]).backward()
+        for name in ("w", "v"):
+            u[name] = u[name] * m + grads[name]
+            r[name] = r[name] + u[name]
+            sent = r[name].abs() >= t  # gradients >= 0: no half-negative bitmap codes
+            r[name] = torch.where(sent, r[name] - t, r[name])
+            u[name] = torch.where(sent, 0.0, u[name])
+            place = state._keys[id(getattr(model.module, name))]
+            formats.add(state.last_stats[place].format)
+            residual = state.encoders[place].residual
+            assert residual is not None
+            if not (torch.equal(state.velocities[place], u[name])
+                    and torch.equal(residual, r[name])):  # fmt: skip
+                return False
+    assert formats >= {"bitmap", "sparse"}, formats
+    return True
+
+
+class TestMessagesAndMomentum:
+    def test_every_rank_conserves_per_parameter(self) -> None:
+        """Σ local gradients fed = Σ the rank's own decoded pieces + its residual, for every
+        parameter of every bucket."""
+        for r in spawn(_rank_own_conservation, 2, 8):
+            assert r.get() < 1e-5
+
+    def test_bad_concatenation_fails_every_rank_naming_it_and_writes_nothing(self) -> None:
+        for r in spawn(_rank_bad_concatenation, 2):
+            res = r.get()
+            assert "Message from rank 1" in res["error"], res
+            assert "left over" in res["error"], res
+            assert res["decoded"] == 0 and res["gap"] < 1e-6, res
+
+    def test_parameters_of_different_scales_get_their_own_thresholds(self) -> None:
+        """One threshold per parameter tensor: the large gradients' threshold rises, the
+        tiny ones' falls, within one bucket."""
+        for r in spawn(_rank_two_scales, 2, 8):
+            big, small = r.get()
+            assert big > 1e-3 > small, (big, small)
+
+    def test_velocity_is_momentum_corrected_and_masked(self) -> None:
+        for r in spawn(_rank_velocity, 2, 6):
+            assert r.get()
+
+
+class TestSplit:
+    """A rank's message is cut into its parameters' pieces by their headers; any fault is a
+    MessageError naming the rank and the parameter, found before anything is decoded."""
+
+    params: ClassVar = [((0, 0), 400), ((0, 1), 8), ((0, 2), 100)]
+
+    @classmethod
+    def message(cls) -> torch.Tensor:
+        sparse = Encoder(FixedThreshold(1.0)).encode(
+            torch.zeros(400).index_fill_(0, torch.tensor([3, 50, 399]), 2.0), 0
+        )
+        bitmap = Encoder(FixedThreshold(1.0)).encode(torch.full((8,), 2.0), 0)
+        assert sparse is not None and bitmap is not None
+        empty = hook_module._empty_message(100, 1.0, torch.device("cpu"))
+        return torch.cat([sparse, bitmap, empty])
+
+    def test_pieces_in_order_empty_one_as_none(self) -> None:
+        pieces = hook_module._split(self.message(), self.params, "rank 1")
+        assert pieces[0] is not None and pieces[0][3] == 0 and pieces[0].numel() == 4 + 3
+        assert pieces[1] is not None and pieces[1][3] == 1 and pieces[2] is None
+
+    @pytest.mark.parametrize(
+        ("cut", "match"),
+        [
+            (lambda m: m[:-1], "ends at word"),
+            (lambda m: m[:-5], "past the message's end"),
+            (lambda m: torch.cat([m, m[:2]]), "left over"),
+            (lambda m: torch.cat([m[:7], m[7:9] + 1, m[9:]]), "N = 9"),
+        ],
+    )
+    def test_faults_name_the_rank_and_parameter(self, cut, match) -> None:  # type: ignore[no-untyped-def]
+        with pytest.raises(MessageError, match=match) as info:
+            hook_module._split(cut(self.message()), self.params, "rank 1")
+        assert "rank 1" in str(info.value)
+
+
+def _fixed(momentum: float) -> ThresholdHookState:
+    return ThresholdHookState(momentum=momentum, threshold=FixedThreshold(1.0))
+
+
+class TestCheckpointChecks:
+    """A hook state is checked whole before anything loads; a parameter whose size differs
+    from its saved residual is refused when it arrives, before anything changes."""
+
+    @staticmethod
+    def _saved(momentum: float = 0.9) -> dict:
+        state = _fixed(momentum)
+        encoders = state._encoders([((0, 0), 2), ((1, 0), 3)], torch.device("cpu"))
+        encoders[0].encode(torch.tensor([0.5, 2.5]), 0)
+        encoders[1].encode(torch.tensor([1.5, 0.25, -3.0]), 0)
+        if momentum:
+            state.velocities[(0, 0)] = torch.tensor([0.5, 0.0])
+        return state.state_dict()
+
+    def test_round_trip(self) -> None:
+        restored = _fixed(0.9)
+        restored.load_state_dict(self._saved())
+        assert restored.encoders[(1, 0)].residual.tolist() == [0.5, 0.25, -2.0]  # type: ignore[union-attr]
+        assert restored.velocities[(0, 0)].tolist() == [0.5, 0.0]
+
+    def test_parameter_of_another_size_is_refused_before_anything_changes(self) -> None:
+        restored = _fixed(0.9)
+        restored.load_state_dict(self._saved())
+        with pytest.raises(ValueError, match="another model"):
+            restored._encoders([((1, 0), 3), ((0, 0), 4)], torch.device("cpu"))
+        assert set(restored.encoders) == {(0, 0), (1, 0)}
+
+    @pytest.mark.parametrize(
+        ("corrupt", "match"),
+        [
+            (
+                lambda s: s["encoders"]["0,0"].update(residual=torch.tensor([1.0, math.nan])),
+                "non-finite",
+            ),
+            (
+                lambda s: s["velocities"].update({"1,0": torch.tensor([math.inf, 0.0, 0.0])}),
+                "non-finite",
+            ),
+            (lambda s: s["velocities"].update({"0,0": torch.zeros(3)}), "has 3 elements"),
+            (lambda s: s.update(layouts={}, loose={}), "older hook format"),
+            (lambda s: s["encoders"].update({"zero": s["encoders"]["0,0"]}), "bucket,position"),
+        ],
+    )
+    def test_corrupted_state_refused_whole(self, corrupt, match) -> None:  # type: ignore[no-untyped-def]
+        saved = self._saved()
+        corrupt(saved)
+        restored = _fixed(0.9)
+        with pytest.raises(ValueError, match=match):
+            restored.load_state_dict(saved)
+        assert restored.encoders == {} and restored.velocities == {} and not restored.iteration
+
+    def test_velocities_into_a_state_without_momentum_are_refused(self) -> None:
+        with pytest.raises(ValueError, match="momentum=0"):
+            _fixed(0.0).load_state_dict(self._saved())
+        _fixed(0.5).load_state_dict(self._saved(momentum=0.0))
+
+    @pytest.mark.parametrize("momentum", [-0.1, 1.0, math.nan, True, "0.9"])
+    def test_momentum_out_of_range_is_refused(self, momentum) -> None:  # type: ignore[no-untyped-def]
+        with pytest.raises(ValueError, match="momentum"):
+            ThresholdHookState(momentum=momentum)

@@ -5,6 +5,13 @@ all-reduce of each gradient bucket becomes an exchange of threshold-encoded mess
 2015). Unlike :class:`~gradshare.SharedOptimizer`, what is encoded is the gradient, not the
 optimizer's update, and the hook returns the mean of the decoded gradients, as DDP expects.
 
+All state is per parameter: each parameter has its own residual and its own copy of the
+threshold algorithm (one threshold per parameter tensor), and, with DGC's momentum correction
+(Lin et al., 2018), its own velocity. A bucket is only the list of parameters that travel
+together: one message per bucket and rank, the concatenation of its parameters' messages. So
+DDP's bucket rebuild after the first iteration changes nothing, and a run resumed from a
+checkpoint on a fresh DDP (whose first iteration has another layout) continues bit for bit.
+
 The exchange overlaps with backward, as DDP's own all-reduce does: the hook hands each bucket
 to a background :class:`~gradshare.exchange.Pipeline` and returns at once; the pipeline
 encodes, exchanges and decodes the buckets one after the other, in the order they became
@@ -15,6 +22,7 @@ with the ones DDP itself issues from the backward thread).
 import copy
 import functools
 import logging
+import struct
 from datetime import timedelta
 from typing import Any
 
@@ -30,6 +38,7 @@ from gradshare.exchange import (
     Pipeline,
     PrivateGroup,
     exchange_messages,
+    largest_message,
     rank_names,
     take_back,
     wait,
@@ -42,35 +51,46 @@ __all__ = ["ThresholdHookState", "register_threshold_hook", "threshold_hook"]
 logger = logging.getLogger(__name__)
 
 
-Slot = tuple[int, int, int]
-"""A parameter in a bucket's residual: its place in DDP's first-iteration buckets (bucket
-index, position in it), which is the same in every process, and its number of elements."""
+Place = tuple[int, int]
+"""A parameter's name: its place in DDP's first-iteration buckets (bucket index, position in
+it), the same in every process and in every DDP built on the same model."""
+
+Param = tuple[Place, int]
+"""A parameter of a bucket: its place and its number of elements."""
 
 
 class ThresholdHookState:
-    """Settings, per-bucket residuals and stats of :func:`threshold_hook`; checkpoints per rank.
+    """Settings, per-parameter residuals, thresholds and velocities, and stats of
+    :func:`threshold_hook`; checkpoints per rank.
 
-    How DDP's bucket rebuild is handled: DDP lays its buckets out once from the parameter order
-    (iteration 0 of every DDP instance), then rebuilds them after the first iteration from the
-    order in which gradients became ready. Each parameter is therefore named by its place in
-    the first-iteration layout, ``(bucket index, position)``, which is the same in every
-    process, and each bucket's residual records the parameters it holds, in order. When a
-    bucket arrives with another layout (the rebuild, or a restored checkpoint meeting a fresh
-    DDP's first iteration), its residual is reassembled parameter by parameter from wherever
-    those parameters' residuals are: nothing is lost and a resumed run continues bit for bit.
+    Each parameter is named by its place in DDP's first-iteration bucket layout, ``(bucket
+    index, position)``: DDP lays its buckets out once from the parameter order (iteration 0 of
+    every DDP instance) and rebuilds them after the first iteration from the order in which
+    gradients became ready, but the first layout is the same in every process. Each parameter
+    gets its own :class:`~gradshare.encoder.Encoder` (residual, clone of ``threshold``, clone
+    of ``post_processor``) when it first arrives; which bucket it travels in does not matter.
     By default the first iteration all-reduces exact gradients (``start_iter=1``), as the
     PowerSGD hook does.
 
+    Momentum correction (DGC, Lin et al. 2018): with ``momentum=m > 0`` each parameter keeps a
+    velocity ``u``; every step ``u = m*u + g``, the residual accumulates ``u`` instead of
+    ``g``, and ``u`` is zeroed at every element the message sent (momentum-factor masking).
+    The optimizer then runs WITHOUT momentum: ``SGD(params, lr)`` with ``momentum=0.9`` here
+    replaces ``SGD(params, lr, momentum=0.9)`` (with error feedback, momentum applied after
+    the exchange would be applied to stale, bursty gradients). The ``start_iter`` exact
+    iterations all-reduce plain gradients, without momentum.
+
     Pickling (``torch.save``) leaves out the process group; every rank saves and restores its
-    own residuals with :meth:`state_dict` / :meth:`load_state_dict`.
+    own residuals, thresholds and velocities with :meth:`state_dict` / :meth:`load_state_dict`.
 
     Args:
         process_group: the group to share over (default: the world).
-        threshold: the threshold algorithm, cloned for each bucket (None:
+        threshold: the threshold algorithm, cloned for each parameter (None:
             :func:`gradshare.threshold.default_threshold`).
-        post_processor: residual post-processing (applied per bucket).
-        boundary: the most entries a sparse message may carry.
+        post_processor: residual post-processing, cloned for each parameter.
+        boundary: the most entries a parameter's sparse message may carry.
         start_iter: iterations of exact all-reduce before encoding starts (>= 0).
+        momentum: DGC's momentum factor m, ``0 <= m < 1`` (0: none, the plain hook).
         timeout: how long a collective may wait for the other ranks (default
             :data:`gradshare.accumulator.DEFAULT_TIMEOUT`).
     """
@@ -82,13 +102,14 @@ class ThresholdHookState:
         "post_processor",
         "boundary",
         "start_iter",
+        "momentum",
         "timeout",
         # state
         "encoders",
-        "layouts",
-        "loose",
+        "velocities",
         "iteration",
         "_keys",
+        "_sizes",
         "_first_pass",
         "_buffers",
         "_pipeline",
@@ -108,32 +129,36 @@ class ThresholdHookState:
         post_processor: ResidualPostProcessor | None = None,
         boundary: int | None = None,
         start_iter: int = 1,
+        momentum: float = 0.0,
         timeout: float | timedelta | None = None,
     ) -> None:
         threshold = resolve(threshold)
         check_int(start_iter, "start_iter", 0)
         codec.check_boundary(boundary)
+        _check_momentum(momentum)
         self.process_group = process_group
         self.threshold = threshold
         self.post_processor = post_processor
         self.boundary = boundary
         self.start_iter = start_iter
+        self.momentum = float(momentum)
         self.timeout = timedelta(seconds=to_seconds(timeout))
-        self.encoders: dict[int, Encoder] = {}
-        self.layouts: dict[int, list[Slot]] = {}
-        """Per bucket index, the parameters its residual holds, in order."""
-        self.loose: dict[tuple[int, int], torch.Tensor] = {}
-        """Residuals of parameters between two layouts (during a rebuild)."""
+        self.encoders: dict[Place, Encoder] = {}
+        """Per parameter place: its residual and threshold algorithm."""
+        self.velocities: dict[Place, torch.Tensor] = {}
+        """Per parameter place: its float32 velocity (only with ``momentum > 0``)."""
         self.iteration = 0
         self._reset_process_local()
         self.bytes_sent = 0
         """Bytes of the messages this rank sent (exact iterations count 4 per element)."""
         self.dense_bytes = 0
         """Bytes the same gradients take dense in float32."""
-        self.last_stats: dict[int, Any] = {}
+        self.last_stats: dict[Place, Any] = {}
+        """Per parameter place: the :class:`~gradshare.encoder.EncodeStats` of its last step."""
 
     def _reset_process_local(self) -> None:
-        self._keys: dict[int, tuple[int, int]] = {}  # id(parameter) -> place, this process
+        self._keys: dict[int, Place] = {}  # id(parameter) -> place, in this process
+        self._sizes: dict[Place, int] = {}  # place -> numel, of the parameters seen here
         self._first_pass = True
         self._buffers: dict[int, torch.Tensor] = {}  # per bucket: float32 sums of fp16 grads
         self._pipeline = Pipeline("gradshare-ddp-exchange")
@@ -147,8 +172,9 @@ class ThresholdHookState:
         if self._group is None:
             self._group = PrivateGroup(self.process_group, self.timeout)
             logger.info(
-                "threshold hook: %s, exact all-reduce for %d iteration(s), exchanges over a "
-                "private group", self.threshold, self.start_iter,
+                "threshold hook: %s per parameter, momentum %g, exact all-reduce for %d "
+                "iteration(s), exchanges over a private group",
+                self.threshold, self.momentum, self.start_iter,
             )  # fmt: skip
         return self._group.get()
 
@@ -159,64 +185,58 @@ class ThresholdHookState:
             buffer = self._buffers[index] = torch.empty(like.numel(), device=like.device)
         return buffer
 
-    def _layout(self, bucket: dist.GradBucket) -> list[Slot]:
+    def _params(self, bucket: dist.GradBucket) -> list[Param]:
+        """The bucket's parameters, in bucket order, each named by its place (learnt in DDP's
+        first iteration in this process); empty ones are left out."""
         params = bucket.parameters()
         if self._first_pass:  # DDP's first iteration in this process: the canonical layout
             for j, p in enumerate(params):
                 self._keys[id(p)] = (bucket.index(), j)
         try:
-            return [(*self._keys[id(p)], p.numel()) for p in params]
+            out = [(self._keys[id(p)], p.numel()) for p in params]
         except KeyError:
             raise RuntimeError(
                 "The hook met a parameter it did not see in DDP's first iteration: register "
                 "one ThresholdHookState per DDP model, on a freshly built DDP."
             ) from None
-
-    def _encoder(self, index: int, layout: list[Slot], device: torch.device) -> Encoder:
-        """The encoder of bucket ``index``, its residual laid out as ``layout``."""
-        enc = self.encoders.get(index)
-        if enc is None:
-            enc = Encoder(self.threshold.clone(), _clone(self.post_processor), self.boundary)
-            self.encoders[index] = enc
-        if self.layouts.get(index) != layout:
-            self._relayout(index, layout, device)
-        return enc
-
-    def _relayout(self, index: int, layout: list[Slot], device: torch.device) -> None:
-        """Reassemble bucket ``index``'s residual for ``layout``, parameter by parameter.
-
-        Every residual holding one of the wanted parameters, and the bucket's own previous
-        one whatever it holds, is taken apart into per-parameter pieces first; the pieces not
-        wanted here wait in ``loose`` for their parameters' new bucket.
-        """
-        sizes = {(b, j): n for slots in self.layouts.values() for b, j, n in slots}
-        sizes.update({key: piece.numel() for key, piece in self.loose.items()})
-        for b, j, n in layout:  # refuse before anything moves
-            if sizes.get((b, j), n) != n:
-                raise ValueError(
-                    f"The residual kept for parameter ({b}, {j}) has {sizes[(b, j)]} elements, "
-                    f"the parameter now has {n}: the hook state is of another model."
-                )
-        wanted = {slot[:2] for slot in layout}
-        for i, slots in list(self.layouts.items()):
-            if i != index and wanted.isdisjoint(slot[:2] for slot in slots):
-                continue
-            residual, offset = self.encoders[i].residual, 0
-            for b, j, n in slots:
-                if residual is not None:
-                    self.loose[(b, j)] = residual[offset : offset + n].clone()
-                offset += n
-            self.encoders[i].residual = None
-            del self.layouts[i]
-        pieces = [self.loose.pop((b, j), None) for b, j, _ in layout]
-        if any(piece is not None for piece in pieces):
-            self.encoders[index].residual = torch.cat(
-                [
-                    torch.zeros(n, device=device) if piece is None else piece.to(device)
-                    for piece, (_, _, n) in zip(pieces, layout, strict=True)
-                ]
+        if sum(n for _, n in out) != bucket.buffer().numel():
+            raise RuntimeError(
+                f"Bucket {bucket.index()} holds {bucket.buffer().numel()} elements, its "
+                f"parameters {sum(n for _, n in out)}: the hook expects a bucket to be its "
+                "parameters' gradients back to back."
             )
-        self.layouts[index] = layout
+        self._sizes.update(out)
+        return [(place, n) for place, n in out if n]
+
+    def _encoders(self, params: list[Param], device: torch.device) -> list[Encoder]:
+        """The encoders of ``params`` (made on first use), their state on ``device``.
+
+        Every kept residual and velocity is checked against its parameter's size before
+        anything changes: a mismatch means the state was restored from another model.
+        """
+        for place, n in params:
+            enc = self.encoders.get(place)
+            kept = {"residual": None if enc is None else enc.residual}
+            kept["velocity"] = self.velocities.get(place)
+            for what, t in kept.items():
+                if t is not None and t.numel() != n:
+                    raise ValueError(
+                        f"The {what} kept for parameter {place} has {t.numel()} elements, the "
+                        f"parameter has {n}: the hook state is of another model."
+                    )
+        out = []
+        for place, _ in params:
+            enc = self.encoders.get(place)
+            if enc is None:
+                enc = Encoder(self.threshold.clone(), _clone(self.post_processor), self.boundary)
+                self.encoders[place] = enc
+            if enc.residual is not None and enc.residual.device != device:
+                enc.residual = enc.residual.to(device)  # restored from a checkpoint
+            velocity = self.velocities.get(place)
+            if velocity is not None and velocity.device != device:
+                self.velocities[place] = velocity.to(device)
+            out.append(enc)
+        return out
 
     def end_of_pass(self) -> None:
         """Called by the hook for the last bucket of each iteration."""
@@ -227,26 +247,33 @@ class ThresholdHookState:
     # ------------------------------------------------------------------ checkpointing
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's residuals (with their layouts), threshold states, counters, and the
-        world size and rank that saved them."""
+        """This rank's residuals, threshold states and velocities, keyed by parameter place
+        (``"bucket,position"``), its counters, and the world size and rank that saved them."""
         return {
             "iteration": self.iteration,
             "bytes_sent": self.bytes_sent,
             "dense_bytes": self.dense_bytes,
-            "encoders": {i: e.state_dict() for i, e in self.encoders.items()},
-            "layouts": {i: [list(slot) for slot in slots] for i, slots in self.layouts.items()},
-            "loose": {f"{b},{j}": t.clone() for (b, j), t in self.loose.items()},
+            "momentum": self.momentum,
+            "encoders": {_key(p): e.state_dict() for p, e in self.encoders.items()},
+            "velocities": {_key(p): u.detach().clone() for p, u in self.velocities.items()},
             **_world_and_rank(self.process_group),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict` (into a state registered on a fresh DDP model).
 
-        Everything is checked before anything changes: the saving rank and world size, each
-        residual against its layout, every piece finite. A parameter whose size differs from
-        the saved piece is refused when its bucket first arrives (the checkpoint is of
-        another model).
+        Everything is checked before anything changes: the format, the saving rank and world
+        size, every residual and velocity finite and 1-D, a parameter's velocity as long as
+        its residual and, for parameters this state has already seen, as long as the
+        parameter. A parameter not seen yet is checked when it first arrives.
         """
+        if "layouts" in state or "loose" in state:
+            raise ValueError(
+                "Hook state is of an older hook format (residuals per DDP bucket, with "
+                "'layouts' and 'loose'): this hook keeps them per parameter and cannot place "
+                "those. Resume it with the gradshare version that saved it, or load only the "
+                "model and optimizer and let the hook start afresh."
+            )
         here = _world_and_rank(self.process_group)
         saved_at = {k: state.get(k, v) for k, v in here.items()}
         if saved_at != here:
@@ -255,28 +282,40 @@ class ThresholdHookState:
                 f"this is rank {here['rank']} of {here['world_size']}: each rank loads the "
                 "state its own rank saved, in a world of the same size."
             )
-        layouts = {
-            int(i): [(int(b), int(j), int(n)) for b, j, n in slots]
-            for i, slots in state["layouts"].items()
-        }
+        missing = {"iteration", "bytes_sent", "dense_bytes", "encoders", "velocities"}
+        missing -= set(state)
+        if missing:
+            raise ValueError(f"Hook state is missing {sorted(missing)}: is it a hook state?")
         encoders = {}
-        for i, saved in state["encoders"].items():
+        for key, saved in state["encoders"].items():
+            place = _place(key)
             enc = Encoder(self.threshold.clone(), _clone(self.post_processor), self.boundary)
             enc.load_state_dict(saved)  # refuses a non-finite residual
-            size = sum(n for _, _, n in layouts.get(int(i), []))
-            if enc.residual is not None and enc.residual.numel() != size:
+            if enc.residual is not None:
+                _check_size(enc.residual, self._sizes.get(place), "residual", place)
+            encoders[place] = enc
+        velocities = {}
+        for key, u in state["velocities"].items():
+            place = _place(key)
+            if not isinstance(u, torch.Tensor) or u.dim() != 1 or not u.is_floating_point():
+                raise ValueError(f"Hook state's velocity of parameter {place} is not a 1-D "
+                                 "floating tensor: the checkpoint is corrupted.")  # fmt: skip
+            if not bool(u.isfinite().all()):
                 raise ValueError(
-                    f"Hook state of bucket {i} holds a residual of {enc.residual.numel()} "
-                    f"elements for parameters of {size}: the checkpoint is corrupted."
+                    f"Hook state's velocity of parameter {place} has non-finite values: the "
+                    "checkpoint is corrupted; resume from another."
                 )
-            encoders[int(i)] = enc
-        loose = {}
-        for key, t in state["loose"].items():
-            b, j = key.split(",")
-            if not isinstance(t, torch.Tensor) or t.dim() != 1 or not bool(t.isfinite().all()):
-                raise ValueError(f"Hook state's residual of parameter {key} is not finite 1-D.")
-            loose[(int(b), int(j))] = t.clone()
-        self.encoders, self.layouts, self.loose = encoders, layouts, loose
+            residual = encoders[place].residual if place in encoders else None
+            size = self._sizes.get(place, None if residual is None else residual.numel())
+            _check_size(u, size, "velocity", place)
+            velocities[place] = u.detach().to(torch.float32).clone()
+        if velocities and not self.momentum:
+            raise ValueError(
+                f"Hook state holds velocities (saved with momentum {state.get('momentum')}), "
+                "but this state has `momentum=0`: they would be dropped. Pass the momentum "
+                "it was saved with."
+            )
+        self.encoders, self.velocities = encoders, velocities
         self.iteration = int(state["iteration"])
         self.bytes_sent = int(state["bytes_sent"])
         self.dense_bytes = int(state["dense_bytes"])
@@ -285,6 +324,7 @@ class ThresholdHookState:
         skip = {
             "process_group",
             "_keys",
+            "_sizes",
             "_first_pass",
             "_buffers",
             "_pipeline",
@@ -298,6 +338,39 @@ class ThresholdHookState:
         self._reset_process_local()
         for k, v in state.items():
             setattr(self, k, v)
+
+
+def _check_momentum(momentum: Any) -> None:
+    ok = isinstance(momentum, (int, float)) and not isinstance(momentum, bool)
+    if not (ok and 0 <= momentum < 1):
+        raise ValueError(
+            f"Expect `momentum` to be a float with 0 <= momentum < 1, got {momentum!r}: it is "
+            "DGC's momentum factor m (u = m*u + g); 0 turns momentum correction off, 0.9 is "
+            "usual (then run the optimizer without momentum)."
+        )
+
+
+def _key(place: Place) -> str:
+    return f"{place[0]},{place[1]}"
+
+
+def _place(key: Any) -> Place:
+    try:
+        b, j = (int(v) for v in str(key).split(","))
+    except ValueError:
+        raise ValueError(
+            f"Hook state names a parameter {key!r}; expect 'bucket,position' (two ints): "
+            "the checkpoint is corrupted or of an older hook format."
+        ) from None
+    return b, j
+
+
+def _check_size(t: torch.Tensor, size: int | None, what: str, place: Place) -> None:
+    if size is not None and t.numel() != size:
+        raise ValueError(
+            f"Hook state's {what} of parameter {place} has {t.numel()} elements, the parameter "
+            f"has {size}: the checkpoint is of another model."
+        )
 
 
 def _world_and_rank(group: Any) -> dict[str, int]:
@@ -318,18 +391,30 @@ def threshold_hook(
     The hook returns at once with a future; in the background, in the order the buckets
     became ready (every rank the same):
 
-    1. add the local gradient into the bucket's residual and encode what crossed the
-       threshold (sparse indices or a 2-bit bitmap; the rest stays in the residual);
-    2. exchange every rank's message (sizes, then the padded int32 payloads), checking each
-       claimed size against the largest valid message;
-    3. validate every message whole, then decode them in rank order into the bucket and
-       divide by the world size (one fused pass: :func:`gradshare.codec.decode_sum_`), and
-       complete the future.
+    1. check the bucket's gradient is finite, then, per parameter: with momentum ``m``,
+       ``u = m*u + g``; add ``u`` (or ``g``) into the parameter's residual and encode what
+       crossed its own threshold (sparse indices or a 2-bit bitmap; the rest stays in the
+       residual);
+    2. concatenate the parameters' messages, in bucket order, into this rank's message (a
+       parameter that sends nothing puts an empty sparse header ``[0, N, t, 0]``; a rank
+       whose parameters all send nothing sends no message);
+    3. exchange every rank's message (sizes, then the padded int32 payloads), checking each
+       claimed size against the sum of the parameters' largest valid messages;
+    4. cut every rank's message into its pieces by their headers and validate every piece
+       whole, then decode each parameter's pieces in rank order into its slice of the bucket
+       and divide by the world size (:func:`gradshare.codec.decode_sum_`);
+    5. with momentum, zero ``u`` wherever this rank's message moved an element
+       (momentum-factor masking), and complete the future.
 
     So bucket k is exchanged while backward computes bucket k+1. Summed over steps, what the
-    hook returns equals the true mean gradients minus the mean of the ranks' current
-    residuals. A rank whose encode fails, or a bad message, fails the future on every rank
-    with an error naming the rank; DDP raises it from ``backward()``.
+    hook returns equals the true mean gradients (with momentum: the mean of the ``u``) minus
+    the mean of the ranks' current residuals. A rank whose encode fails, or a bad message,
+    fails the future on every rank with an error naming the rank, and each rank puts its own
+    messages back into its residuals; DDP raises the error from ``backward()``.
+
+    Tuning: the threshold adapts per parameter, so parameters whose gradients differ in scale
+    by orders of magnitude each send their own share. With momentum, use ``0.9`` here and an
+    optimizer without momentum (see :class:`ThresholdHookState`).
 
     Example::
 
@@ -337,10 +422,10 @@ def threshold_hook(
         >>> ddp_model.register_comm_hook(state, threshold_hook)  # doctest: +SKIP
     """
     grad = bucket.buffer()
-    layout = state._layout(bucket)  # learns the canonical layout in the first pass
+    params = state._params(bucket)  # learns the canonical places in the first pass
     group = state._exchange_group()
     job = functools.partial(
-        _exchange_bucket, state, group, grad, bucket.index(), layout, state.iteration,
+        _exchange_bucket, state, group, grad, bucket.index(), params, state.iteration,
         _ready_event(grad),
     )  # fmt: skip
     future = state._pipeline.submit(job)
@@ -365,11 +450,11 @@ def _exchange_bucket(
     group: Any,
     grad: torch.Tensor,
     index: int,
-    layout: list[Slot],
+    params: list[Param],
     iteration: int,
     ready: Any,
 ) -> torch.Tensor:
-    """Steps 1-3 of :func:`threshold_hook` for one bucket (runs in the state's pipeline)."""
+    """Steps 1-5 of :func:`threshold_hook` for one bucket (runs in the state's pipeline)."""
     if ready is not None:
         torch.cuda.set_device(grad.device)
         torch.cuda.current_stream().wait_event(ready)
@@ -384,31 +469,181 @@ def _exchange_bucket(
         wait(work, state.timeout, "gradient all-reduce", dist.get_rank(group))
         state.bytes_sent += 4 * numel
     else:
-        message, failure = None, None
-        try:
-            enc = state._encoder(index, layout, grad.device)
-            message = enc.encode(grad, iteration)
-            state.last_stats[index] = enc.last_stats
-        except Exception as e:
-            failure = e
-        # the gradient now lives in the residual: its buffer takes the mean (float32 sums)
-        total = grad if grad.dtype == torch.float32 else state._buffer(index, grad)
-        try:
-            messages = exchange_messages(
-                message, numel, group=group, timeout=state.timeout, device=grad.device,
-                failure=failure,
-            )  # fmt: skip
-            codec.decode_sum_(messages, total, divisor=world, names=rank_names(world))
-        except BaseException:  # this rank's message goes back: nothing of it is lost
-            if message is not None:
-                take_back(message, state.encoders[index].residual)  # type: ignore[arg-type]
-            raise
-        out = total if total is grad else grad.copy_(total)
-        state.bytes_sent += 0 if message is None else 4 * message.numel()
+        out = _encoded_exchange(state, group, grad, index, params, iteration, world)
     state.dense_bytes += 4 * numel
     if ready is not None:
         torch.cuda.current_stream().synchronize()  # the bucket is final when DDP reads it
     return out
+
+
+def _encoded_exchange(
+    state: ThresholdHookState,
+    group: Any,
+    grad: torch.Tensor,
+    index: int,
+    params: list[Param],
+    iteration: int,
+    world: int,
+) -> torch.Tensor:
+    sent: list[tuple[torch.Tensor | None, float]] = []  # per parameter, as far as encoded
+    mine, failure = None, None
+    try:
+        _encode_bucket(state, grad, params, iteration, sent)
+        mine = _concatenate(sent, params, grad.device)
+    except Exception as e:
+        failure = e
+    # the gradient now lives in the residuals: the bucket takes the mean (float32 sums)
+    total = grad if grad.dtype == torch.float32 else state._buffer(index, grad)
+    try:
+        messages = exchange_messages(
+            mine, grad.numel(), group=group, timeout=state.timeout, device=grad.device,
+            failure=failure, max_words=sum(largest_message(n) for _, n in params),
+        )  # fmt: skip
+        names = rank_names(world)
+        pieces = [_split(m, params, name) for m, name in zip(messages, names, strict=True)]
+        offset = 0
+        for i, (_, n) in enumerate(params):
+            codec.decode_sum_([p[i] for p in pieces], total[offset : offset + n],
+                              divisor=world, names=names, checked=True)  # fmt: skip
+            offset += n
+    except BaseException:  # this rank's messages go back: nothing of them is lost
+        for (place, _), (message, _) in zip(params, sent, strict=False):
+            if message is not None:
+                take_back(message, state.encoders[place].residual)  # type: ignore[arg-type]
+        raise
+    if state.momentum:
+        for (place, _), (message, _) in zip(params, sent, strict=True):
+            if message is not None:
+                _mask_(state.velocities[place], message)
+    state.bytes_sent += 0 if mine is None else 4 * mine.numel()
+    return total if total is grad else grad.copy_(total)
+
+
+def _encode_bucket(
+    state: ThresholdHookState,
+    grad: torch.Tensor,
+    params: list[Param],
+    iteration: int,
+    sent: list[tuple[torch.Tensor | None, float]],
+) -> None:
+    """Step 1: encode each parameter's slice of ``grad``, appending (message, t) to ``sent``."""
+    encoders = state._encoders(params, grad.device)  # refuses a state of another model
+    bad, first = codec.find_nonfinite(grad)
+    if bad:
+        raise _nonfinite_error(grad, params, bad, first)
+    m = state.momentum
+    offset = 0
+    for (place, n), enc in zip(params, encoders, strict=True):
+        g = grad[offset : offset + n]
+        offset += n
+        if m:
+            u = state.velocities.get(place)
+            u = g.to(torch.float32, copy=True) if u is None else u.mul(m).add_(g)
+            message = enc.encode(u, iteration)  # checks u (m*u + g may overflow)
+            state.velocities[place] = u
+        else:
+            message = enc.encode(g, iteration, finite=True)
+        assert enc.last_stats is not None
+        state.last_stats[place] = enc.last_stats
+        sent.append((message, enc.last_stats.threshold))
+
+
+def _nonfinite_error(grad: torch.Tensor, params: list[Param], bad: int, first: int) -> ValueError:
+    """The error for a bucket gradient with ``bad`` non-finite values, the first at ``first``,
+    naming the parameter it falls in."""
+    offset, place = 0, params[-1][0]
+    for p, n in params:
+        if first < offset + n:
+            place = p
+            break
+        offset += n
+    return ValueError(
+        f"The gradient has {bad} non-finite value(s) in this bucket, the first in parameter "
+        f"{place} at flat index {first - offset} ({float(grad[first])}): nothing was added "
+        "to the residuals. Check the loss or lower the learning rate."
+    )
+
+
+def _concatenate(
+    sent: list[tuple[torch.Tensor | None, float]], params: list[Param], device: torch.device
+) -> torch.Tensor | None:
+    """Step 2: this rank's message, one piece per parameter (None when all are empty)."""
+    if all(message is None for message, _ in sent):
+        return None
+    return torch.cat([
+        _empty_message(n, t, device) if message is None else message
+        for (_, n), (message, t) in zip(params, sent, strict=True)
+    ])  # fmt: skip
+
+
+_F32, _I32 = struct.Struct("<f"), struct.Struct("<i")
+
+
+def _empty_message(numel: int, t: float, device: torch.device) -> torch.Tensor:
+    """A sparse message of no entries for ``numel`` elements: ``[0, N, bits(t), 0]``."""
+    bits = _I32.unpack(_F32.pack(t))[0]
+    header = [0, numel, bits, codec.FLEXIBLE_ENCODING]
+    return torch.tensor(header, dtype=torch.int32, device=device)
+
+
+def _split(message: torch.Tensor | None, params: list[Param], name: str) -> list[Any]:
+    """Step 4: cut ``name``'s message into one piece per parameter by the pieces' headers
+    and validate each whole; None for a parameter that sent nothing.
+
+    Raises:
+        MessageError: a piece is invalid for its parameter, runs past the message's end, or
+            words are left over, naming ``name`` and the parameter.
+    """
+    if message is None:
+        return [None] * len(params)
+    if message.dtype != torch.int32 or message.dim() != 1:
+        raise codec.MessageError(f"Message from {name} is not a 1-D int32 tensor.")
+    words = message.cpu().numpy()  # the headers are read here (no copy on CPU)
+    length = len(words)
+    pieces: list[Any] = []
+    pos = 0
+    for place, n in params:
+        where = f"Message from {name}, piece of parameter {place} ({n} elements) at word {pos}"
+        if pos + codec.HEADER_WORDS > length:
+            raise codec.MessageError(
+                f"{where}: the message ends at word {length}, before this piece's header; it "
+                "holds fewer pieces than the bucket has parameters."
+            )
+        first, _, _, fmt = (int(w) for w in words[pos : pos + codec.HEADER_WORDS])
+        if fmt == codec.BITMAP_ENCODING:
+            size = codec.bitmap_length(n)
+        elif fmt == codec.FLEXIBLE_ENCODING and first >= 0:
+            size = codec.sparse_length(first)
+        else:
+            size = codec.HEADER_WORDS  # check_message names the fault
+        if pos + size > length:
+            raise codec.MessageError(
+                f"{where}: the piece's header says {size} words, past the message's end at "
+                f"word {length}."
+            )
+        piece = message[pos : pos + size]
+        try:
+            codec.check_message(piece, n)
+        except codec.MessageError as e:
+            raise codec.MessageError(f"{where} is invalid: {e}") from None
+        pieces.append(None if fmt == codec.FLEXIBLE_ENCODING and first == 0 else piece)
+        pos += size
+    if pos != length:
+        raise codec.MessageError(
+            f"Message from {name} has {length - pos} word(s) left over after the pieces of "
+            f"its bucket's {len(params)} parameters (which end at word {pos})."
+        )
+    return pieces
+
+
+def _mask_(velocity: torch.Tensor, message: torch.Tensor) -> None:
+    """Step 5: zero ``velocity`` wherever ``message`` moves an element (momentum-factor
+    masking): a sparse message's indices, a bitmap's set codes (±t and DL4J's -t/2)."""
+    if int(message[3]) == codec.FLEXIBLE_ENCODING:
+        velocity[message[codec.HEADER_WORDS :].abs().long() - 1] = 0
+    else:
+        moved = codec.decode_(message, torch.zeros_like(velocity))
+        velocity.masked_fill_(moved != 0, 0)
 
 
 def register_threshold_hook(
@@ -418,10 +653,15 @@ def register_threshold_hook(
     post_processor: ResidualPostProcessor | None = None,
     boundary: int | None = None,
     start_iter: int = 1,
+    momentum: float = 0.0,
     timeout: float | timedelta | None = None,
     process_group: Any = None,
 ) -> ThresholdHookState:
-    """Register :func:`threshold_hook` on ``ddp_model`` and return its state (checkpoint it)."""
+    """Register :func:`threshold_hook` on ``ddp_model`` and return its state (checkpoint it).
+
+    The keywords are :class:`ThresholdHookState`'s; with ``momentum > 0`` run the optimizer
+    without momentum.
+    """
     if not isinstance(ddp_model, DistributedDataParallel):
         raise TypeError(
             f"Expect a DistributedDataParallel model, got {type(ddp_model).__name__}: wrap it "
@@ -433,6 +673,7 @@ def register_threshold_hook(
         post_processor=post_processor,
         boundary=boundary,
         start_iter=start_iter,
+        momentum=momentum,
         timeout=timeout,
     )
     ddp_model.register_comm_hook(state, threshold_hook)

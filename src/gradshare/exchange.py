@@ -90,6 +90,7 @@ def exchange_messages(
     timeout: float | timedelta | None = None,
     device: torch.device | None = None,
     failure: BaseException | None = None,
+    max_words: int | None = None,
 ) -> list[torch.Tensor | None]:
     """All-gather every rank's message for a vector of ``numel`` elements, in rank order.
 
@@ -98,6 +99,10 @@ def exchange_messages(
     this rank re-raises ``failure`` — so one rank's bad input stops every rank, promptly.
     Decode them with :func:`gradshare.codec.decode_sum_` or :func:`~gradshare.codec.subtract_sum_`,
     which validate each whole first and name a bad one's rank.
+
+    ``max_words`` caps the words a rank may claim (default :func:`largest_message` of
+    ``numel``): a message that concatenates one piece per parameter (the DDP hook's) is capped
+    at the sum of its pieces' largest messages.
 
     Raises:
         ExchangeError: another rank failed, the ranks' vector sizes differ, a rank claims a
@@ -130,7 +135,7 @@ def exchange_messages(
             f"Rank {rank}: the ranks share vectors of different sizes {sizes}: every rank must "
             "hold the same model (same parameters, same order)."
         )
-    cap = largest_message(numel)
+    cap = largest_message(numel) if max_words is None else max_words
     claims = {r: h[1] for r, h in enumerate(table) if not 0 <= h[1] <= cap}
     if claims:
         raise ExchangeError(
