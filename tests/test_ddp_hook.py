@@ -270,7 +270,7 @@ def _rank_replicas(rank: int, world: int, steps: int) -> dict:
     batches = _batches(rank, world, steps)
     out: dict = {}
     for name, kwargs in [("default", {}), ("zero", {"momentum": 0.0}),
-                         ("dgc", {"momentum": 0.9})]:  # fmt: skip
+                         ("dgc", {"momentum": 0.9}), ("mean", {"magnitude": "mean"})]:  # fmt: skip
         model = DDP(_net(), bucket_cap_mb=0.01)
         buckets: set[int] = set()
 
@@ -299,13 +299,15 @@ class TestPerParameterState:
             assert r.get() == [True, True]
 
     def test_replicas_agree_with_several_buckets_and_momentum_0_is_the_default(self) -> None:
+        """Also with momentum correction and with the mean magnitude in the headers."""
         for world in (2, 3):
             results = [r.get() for r in spawn(_rank_replicas, world, 6)]
             assert results[0]["buckets"] >= 3
-            for name in ("default", "dgc"):
+            for name in ("default", "dgc", "mean"):
                 assert all(torch.equal(r[name], results[0][name]) for r in results), name
             assert torch.equal(results[0]["zero"], results[0]["default"])
             assert not torch.equal(results[0]["dgc"], results[0]["default"])
+            assert not torch.equal(results[0]["mean"], results[0]["default"])
 
 
 def _rank_own_conservation(rank: int, world: int, steps: int) -> float:

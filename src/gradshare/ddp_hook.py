@@ -24,7 +24,7 @@ import functools
 import logging
 import struct
 from datetime import timedelta
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -91,6 +91,9 @@ class ThresholdHookState:
         boundary: the most entries a parameter's sparse message may carry.
         start_iter: iterations of exact all-reduce before encoding starts (>= 0).
         momentum: DGC's momentum factor m, ``0 <= m < 1`` (0: none, the plain hook).
+        magnitude: what each sent entry carries (:class:`~gradshare.Encoder`): ``"threshold"``
+            (t, DL4J's encoder) or ``"mean"`` (the mean magnitude of the parameter's sent
+            elements, taken out of its residual exactly).
         timeout: how long a collective may wait for the other ranks (default
             :data:`gradshare.accumulator.DEFAULT_TIMEOUT`).
     """
@@ -103,6 +106,7 @@ class ThresholdHookState:
         "boundary",
         "start_iter",
         "momentum",
+        "magnitude",
         "timeout",
         # state
         "encoders",
@@ -130,9 +134,11 @@ class ThresholdHookState:
         boundary: int | None = None,
         start_iter: int = 1,
         momentum: float = 0.0,
+        magnitude: Literal["threshold", "mean"] = "threshold",
         timeout: float | timedelta | None = None,
     ) -> None:
         threshold = resolve(threshold)
+        codec.check_magnitude(magnitude)
         check_int(start_iter, "start_iter", 0)
         codec.check_boundary(boundary)
         _check_momentum(momentum)
@@ -142,6 +148,7 @@ class ThresholdHookState:
         self.boundary = boundary
         self.start_iter = start_iter
         self.momentum = float(momentum)
+        self.magnitude = magnitude
         self.timeout = timedelta(seconds=to_seconds(timeout))
         self.encoders: dict[Place, Encoder] = {}
         """Per parameter place: its residual and threshold algorithm."""
@@ -228,7 +235,10 @@ class ThresholdHookState:
         for place, _ in params:
             enc = self.encoders.get(place)
             if enc is None:
-                enc = Encoder(self.threshold.clone(), _clone(self.post_processor), self.boundary)
+                enc = Encoder(
+                self.threshold.clone(), _clone(self.post_processor), self.boundary,
+                magnitude=self.magnitude,
+            )  # fmt: skip
                 self.encoders[place] = enc
             if enc.residual is not None and enc.residual.device != device:
                 enc.residual = enc.residual.to(device)  # restored from a checkpoint
@@ -289,7 +299,10 @@ class ThresholdHookState:
         encoders = {}
         for key, saved in state["encoders"].items():
             place = _place(key)
-            enc = Encoder(self.threshold.clone(), _clone(self.post_processor), self.boundary)
+            enc = Encoder(
+                self.threshold.clone(), _clone(self.post_processor), self.boundary,
+                magnitude=self.magnitude,
+            )  # fmt: skip
             enc.load_state_dict(saved)  # refuses a non-finite residual
             if enc.residual is not None:
                 _check_size(enc.residual, self._sizes.get(place), "residual", place)
@@ -654,6 +667,7 @@ def register_threshold_hook(
     boundary: int | None = None,
     start_iter: int = 1,
     momentum: float = 0.0,
+    magnitude: Literal["threshold", "mean"] = "threshold",
     timeout: float | timedelta | None = None,
     process_group: Any = None,
 ) -> ThresholdHookState:
@@ -674,6 +688,7 @@ def register_threshold_hook(
         boundary=boundary,
         start_iter=start_iter,
         momentum=momentum,
+        magnitude=magnitude,
         timeout=timeout,
     )
     ddp_model.register_comm_hook(state, threshold_hook)
