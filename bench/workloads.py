@@ -16,7 +16,7 @@ seed's weights and each draws its own batches (generator seeded by seed and rank
   sorted by class, so the fixed test split is the last 100 images of each class: 1000 test,
   4000 train), a 38k-parameter CNN (conv 1->16 5x5, pool, conv 16->32 5x5, pool, fc 512->48->10),
   SGD lr 0.03 momentum 0.9, 32 images per rank, 625 steps (10 epochs; tuned once on dense:
-  3 epochs gave about 95% at lr 0.02-0.1, 10 epochs at lr 0.03 gave 97.0%, at 0.05 96.2% and at
+  3 epochs gave 94.5-96% at lr 0.02-0.1, 10 epochs at lr 0.03 gave 97.0%, at 0.05 96.2% and at
   0.1 94.6%); metric: test accuracy in points (higher is better; one test image is 0.1 point).
 * ``digits``: scikit-learn's digits, split and scaled as ``bench/convergence.py`` does
   (``gradshare.datasets.digits(seed=0)``), MLP 64-256-10, plain SGD lr 0.2, 32 per rank, 250
@@ -37,9 +37,11 @@ is gradshare's bytes / dense bytes. Prints a table per workload; writes
 bench/results/workloads.json (environment, settings, rows, every run) and one plot per
 workload, bench/results/workloads_<name>.png.
 
-Runtime on 2 shared cores, one run (one method, one seed) at the default steps: gpt ~25 s,
-cnn ~15 s, digits ~3 s (PowerSGD and gradshare within ~1.5x of dense); the full grid (3 seeds,
-every method) about 25 minutes.
+Runtime, one run (one method, one seed) at the default steps, on 2 cores shared with other
+jobs (load ~9): gpt 33-42 s, cnn 7-12 s, digits ~1 s (methods within ~1.3x of each other; the
+first gradshare run of a fresh checkout adds ~5 s of numba compilation). The full grid (3
+seeds; 11 methods on gpt and digits, 12 on cnn) is about 100 runs: 15 minutes on quiet cores,
+30 on loaded ones.
 """
 
 from __future__ import annotations
