@@ -430,8 +430,9 @@ def plot(name: str, steps: int, seeds: list[int], rows: list[Row], path: Path) -
 def main(argv: list[str] | None = None) -> dict[str, list[Row]]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
+    names = ", ".join(METHODS).replace("%", "%%")  # argparse %-formats help
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS,
-                        metavar="M", help="a subset of: " + ", ".join(METHODS))  # fmt: skip
+                        metavar="M", help=f"a subset of: {names}")  # fmt: skip
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--steps", type=int, help="overrides every workload's default steps")
     parser.add_argument("--out", type=Path, default=RESULTS / "workloads.json")
