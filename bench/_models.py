@@ -95,13 +95,19 @@ def adamw(params: list[nn.Parameter]) -> torch.optim.Optimizer:
     return torch.optim.AdamW(groups, lr=1e-3, betas=(0.9, 0.95))
 
 
-def powersgd_bytes(model: nn.Module, rank: int) -> int:
-    """Bytes PowerSGD all-reduces per step: P and Q for matrices, 1-D tensors uncompressed."""
+def powersgd_bytes(model: nn.Module, rank: int, min_compression_rate: float = 2.0) -> int:
+    """Bytes PowerSGD all-reduces per step: P and Q for matrices, other tensors uncompressed.
+
+    A matrix is compressed only when its P and Q are ``min_compression_rate`` times smaller
+    than it (PowerSGD's ``_should_compress``, default 2); the others travel whole.
+    """
     total = 0
     for p in model.parameters():
         if p.dim() >= 2:
             n, k = p.shape[0], p[0].numel()
-            total += 4 * (n + k) * min(rank, n, k)
-        else:
-            total += 4 * p.numel()
+            r = min(rank, n, k)
+            if (n + k) * r * min_compression_rate < n * k:
+                total += 4 * (n + k) * r
+                continue
+        total += 4 * p.numel()
     return total

