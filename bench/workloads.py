@@ -28,8 +28,10 @@ third step), ``hook`` / ``hook-1%`` / ``hook-0.3%`` (``gradshare.register_thresh
 its default threshold, ``QuantileThreshold(0.01)``, ``(0.003)``), ``hook-dgc`` (the hook at 1%
 with DGC momentum correction, ``momentum=`` taken from the SGD, which is rebuilt without it;
 momentum-SGD workloads only), ``shared`` / ``shared-1%`` / ``shared-0.3%``
-(``gradshare.SharedOptimizer`` likewise) and ``shared-ddp`` (``SharedOptimizer(opt, ddp=net)``
-on a DDP model). A method whose gradshare API is not in this checkout is skipped with a line.
+(``gradshare.SharedOptimizer`` likewise), ``shared-ddp`` (``SharedOptimizer(opt, ddp=net)``
+on a DDP model), and at 1% the two studied options: ``-mean-1%`` (``magnitude="mean"``: each
+entry carries the mean magnitude of what is sent) and ``-warmup-1%``
+(``QuantileThreshold(0.01, warmup=50)``: density from 25% down to 1% over 50 steps).
 
 Bytes are those one rank sent in a run: gradshare's own count (``bytes_sent``), 4 (fp16: 2) per
 element and step for DDP, PowerSGD's P and Q from the shapes after 2 dense steps. ``density``
@@ -40,8 +42,8 @@ workload, bench/results/workloads_<name>.png.
 Runtime, one run (one method, one seed) at the default steps, on 2 cores shared with other
 jobs (load ~9): gpt 33-42 s, cnn 7-12 s, digits ~1 s (methods within ~1.3x of each other; the
 first gradshare run of a fresh checkout adds ~5 s of numba compilation). The full grid (3
-seeds; 11 methods on gpt and digits, 12 on cnn) is about 100 runs: 15 minutes on quiet cores,
-30 on loaded ones.
+seeds; 15 methods on gpt and digits, 16 on cnn) is about 140 runs: 20 minutes on quiet cores,
+45 on loaded ones.
 """
 
 from __future__ import annotations
@@ -204,14 +206,11 @@ def _numel(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def _new_keyword(keyword: str, make: Callable[[], Any]) -> Any:
-    """``make()``, or :class:`Skip` when this gradshare does not know ``keyword`` yet."""
-    try:
-        return make()
-    except TypeError as e:
-        if f"'{keyword}'" in str(e) and "keyword" in str(e):
-            raise Skip(f"this gradshare has no `{keyword}=` yet ({e})") from e
-        raise
+def _threshold(quantile: float | None, warmup: int = 0) -> Any:
+    """None (the default algorithm) or ``QuantileThreshold(quantile, warmup=warmup)``."""
+    import gradshare
+
+    return None if quantile is None else gradshare.QuantileThreshold(quantile, warmup=warmup)
 
 
 def _ddp(bytes_per_element: int, hook: Callable | None = None) -> Callable[..., Setup]:
@@ -236,13 +235,13 @@ def _powersgd(rank: int) -> Callable[..., Setup]:
     return wrap
 
 
-def _hook(quantile: float | None = None) -> Callable[..., Setup]:
+def _hook(quantile: float | None = None, warmup: int = 0, **options: Any) -> Callable[..., Setup]:
     def wrap(model: nn.Module, opt: torch.optim.Optimizer) -> Setup:
         import gradshare
 
         net = DDP(model)
-        threshold = None if quantile is None else gradshare.QuantileThreshold(quantile)
-        state = gradshare.register_threshold_hook(net, threshold=threshold)
+        threshold = _threshold(quantile, warmup)
+        state = gradshare.register_threshold_hook(net, threshold=threshold, **options)
         return Setup(net, opt, lambda steps: float(state.bytes_sent))
 
     return wrap
@@ -256,26 +255,32 @@ def _hook_dgc(model: nn.Module, opt: torch.optim.Optimizer) -> Setup:
     if not isinstance(opt, torch.optim.SGD) or not group["momentum"]:
         raise Skip("needs an SGD with momentum")
     net = DDP(model)
-    state = _new_keyword("momentum", lambda: gradshare.register_threshold_hook(
-        net, threshold=gradshare.QuantileThreshold(0.01), momentum=group["momentum"]))  # fmt: skip
+    state = gradshare.register_threshold_hook(
+        net, threshold=gradshare.QuantileThreshold(0.01), momentum=group["momentum"]
+    )
     plain = torch.optim.SGD(model.parameters(), lr=group["lr"])
     return Setup(net, plain, lambda steps: float(state.bytes_sent))
 
 
-def _shared(quantile: float | None = None, ddp: bool = False) -> Callable[..., Setup]:
+def _shared(
+    quantile: float | None = None, warmup: int = 0, ddp: bool = False, **options: Any
+) -> Callable[..., Setup]:
     def wrap(model: nn.Module, opt: torch.optim.Optimizer) -> Setup:
         import gradshare
 
-        threshold = None if quantile is None else gradshare.QuantileThreshold(quantile)
+        threshold = _threshold(quantile, warmup)
         if not ddp:
-            shared = gradshare.SharedOptimizer(opt, threshold=threshold)
+            shared = gradshare.SharedOptimizer(opt, threshold=threshold, **options)
             return Setup(model, shared, lambda steps: float(shared.bytes_sent))
         net = DDP(model)
-        shared = _new_keyword("ddp", lambda: gradshare.SharedOptimizer(opt, ddp=net))
+        shared = gradshare.SharedOptimizer(opt, threshold=threshold, ddp=net, **options)
         return Setup(net, shared, lambda steps: float(shared.bytes_sent))
 
     return wrap
 
+
+WARMUP = 50
+"""Iterations of the falling warm-up density (25% down to 1%) of the ``-warmup-`` methods."""
 
 METHODS: dict[str, Callable[[nn.Module, torch.optim.Optimizer], Setup]] = {
     "dense": _ddp(4),
@@ -285,10 +290,14 @@ METHODS: dict[str, Callable[[nn.Module, torch.optim.Optimizer], Setup]] = {
     "hook": _hook(),
     "hook-1%": _hook(0.01),
     "hook-0.3%": _hook(0.003),
+    "hook-mean-1%": _hook(0.01, magnitude="mean"),
+    "hook-warmup-1%": _hook(0.01, warmup=WARMUP),
     "hook-dgc": _hook_dgc,
     "shared": _shared(),
     "shared-1%": _shared(0.01),
     "shared-0.3%": _shared(0.003),
+    "shared-mean-1%": _shared(0.01, magnitude="mean"),
+    "shared-warmup-1%": _shared(0.01, warmup=WARMUP),
     "shared-ddp": _shared(ddp=True),
 }
 """Name -> ``(model, optimizer) -> Setup``: how each method wraps the workload's model."""
@@ -387,11 +396,11 @@ def _print(name: str, steps: int, seeds: list[int], rows: list[Row]) -> None:
     print(f"\n{name}: {w.title}, {WORLD} ranks, {steps} steps, seeds {seeds}")
     arrow = "higher" if w.higher_is_better else "lower"
     head = f"{w.metric} ({arrow} is better)"
-    print(f"{'method':<12} {head:>34} {'bytes/rank':>14} {'fewer bytes':>12} {'density':>8} "
+    print(f"{'method':<17} {head:>34} {'bytes/rank':>14} {'fewer bytes':>12} {'density':>8} "
           f"{'s/run':>6}")  # fmt: skip
     for r in rows:
         density = "-" if r.density is None else f"{r.density:.4f}"
-        print(f"{r.method:<12} {r.metric_mean:>25.3f} ± {r.metric_sd:.3f} "
+        print(f"{r.method:<17} {r.metric_mean:>25.3f} ± {r.metric_sd:.3f} "
               f"{r.bytes_per_rank:>14,.0f} {r.fewer_bytes_than_dense:>11.1f}x {density:>8} "
               f"{r.seconds_per_run:>6.1f}")  # fmt: skip
 
