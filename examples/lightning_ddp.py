@@ -4,7 +4,8 @@
     python examples/lightning_ddp.py --epochs 2 --checkpoint-dir ckpt   # step=10, step=20
     python examples/lightning_ddp.py --epochs 4 --resume ckpt/step=20.ckpt
 
-An ordinary LightningModule; the one change is ``strategy=GradshareDDPStrategy(...)``. Run as
+An ordinary LightningModule; the one change is ``strategy=GradshareDDPStrategy(...)``
+(``--share updates``: ``SharedOptimizer`` shares the optimizer's updates instead). Run as
 a plain script, Lightning's ``ddp`` launcher starts the script again once per extra device
 (``devices=2``), over gloo on 127.0.0.1 with a free port. Every checkpoint gets one
 ``<checkpoint>.gradshare-rank{r}.pt`` per rank (residuals, threshold state), and a fit resumed
@@ -31,7 +32,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from gradshare import AdaptiveThreshold
+from gradshare import AdaptiveThreshold, SharedOptimizer
 from gradshare.datasets import digits, mlp
 from gradshare.integrations import GradshareDDPStrategy
 
@@ -55,6 +56,16 @@ class DigitsMLP(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.lr)
 
 
+def bytes_sent(strategy: GradshareDDPStrategy, model: L.LightningModule) -> tuple[int, int]:
+    """What this rank sent, and what the same steps take dense in float32."""
+    if strategy.hook_state is not None:
+        return strategy.hook_state.bytes_sent, strategy.hook_state.dense_bytes
+    opt = strategy.optimizers[0]
+    assert isinstance(opt, SharedOptimizer)
+    numel = sum(p.numel() for p in model.parameters())
+    return opt.bytes_sent, 4 * numel * opt.iteration
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=10)
@@ -62,6 +73,10 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=0.2)
     parser.add_argument("--threshold", type=float, default=1e-3, help="adaptive, initial value")
+    parser.add_argument(
+        "--share", choices=["gradients", "updates"], default="gradients",
+        help="the DDP hook, or SharedOptimizer (the optimizer's updates)",
+    )  # fmt: skip
     parser.add_argument("--checkpoint-dir", type=Path, help="save a checkpoint every epoch")
     parser.add_argument("--resume", type=Path, help="a checkpoint to resume the fit from")
     parser.add_argument("--out", type=Path, help="write the final flat parameters here")
@@ -69,7 +84,7 @@ def main() -> None:
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     strategy = GradshareDDPStrategy(
-        threshold=AdaptiveThreshold(args.threshold), process_group_backend="gloo"
+        share=args.share, threshold=AdaptiveThreshold(args.threshold), process_group_backend="gloo"
     )
     callbacks = []
     if args.checkpoint_dir is not None:
@@ -90,13 +105,11 @@ def main() -> None:
     )
     model = DigitsMLP(args.lr, args.batch_size)
     trainer.fit(model, ckpt_path=args.resume)
-    state = strategy.hook_state
-    assert state is not None
     if trainer.is_global_zero:
-        ratio = state.dense_bytes / max(state.bytes_sent, 1)
+        sent, dense = bytes_sent(strategy, model)
         print(
-            f"step {trainer.global_step}: rank 0 sent {state.bytes_sent:,} B vs "
-            f"{state.dense_bytes:,} B dense ({ratio:.0f}x less)"
+            f"step {trainer.global_step}: rank 0 sent {sent:,} B vs {dense:,} B dense "
+            f"({dense / max(sent, 1):.0f}x less)"
         )
         if args.out is not None:
             flat = torch.cat([p.detach().flatten() for p in model.parameters()])

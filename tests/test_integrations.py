@@ -40,8 +40,11 @@ def assert_rank_files(paths: list[Path]) -> None:
         assert isinstance(saved["state"], dict) and saved["state"], path  # the hook state
 
 
-def _plain_ddp(rank: int, world: int, batches: str, num_epochs: int, num_steps: int) -> Any:
-    """The oracle: torch DDP with the same hook, model, optimizer and batches, no framework.
+def _plain_ddp(
+    rank: int, world: int, batches: str, num_epochs: int, num_steps: int, share: str = "gradients"
+) -> Any:
+    """The oracle: torch DDP with the same hook (``share="updates"``: the same SharedOptimizer),
+    model, optimizer and batches, no framework.
 
     ``batches="lightning"``: Lightning's DistributedSampler (seed 0, ``set_epoch`` each
     epoch), the first ``num_steps`` batches of each of ``num_epochs`` epochs.
@@ -52,14 +55,17 @@ def _plain_ddp(rank: int, world: int, batches: str, num_epochs: int, num_steps: 
     from torch.nn.parallel import DistributedDataParallel as DDP
     from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-    from gradshare import AdaptiveThreshold, register_threshold_hook
+    from gradshare import AdaptiveThreshold, SharedOptimizer, register_threshold_hook
     from gradshare.datasets import digits, mlp
 
     split = digits(seed=0)
     data = TensorDataset(split.x_train, split.y_train)
     model = DDP(mlp(split.num_features, split.num_classes, seed=0))
-    register_threshold_hook(model, threshold=AdaptiveThreshold(1e-3))
-    opt = torch.optim.SGD(model.parameters(), lr=0.2)
+    opt: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=0.2)
+    if share == "gradients":
+        register_threshold_hook(model, threshold=AdaptiveThreshold(1e-3))
+    else:
+        opt = SharedOptimizer(opt, ddp=model, threshold=AdaptiveThreshold(1e-3), reduction="mean")
     schedule: list[tuple[torch.Tensor, torch.Tensor]] = []
     if batches == "lightning":
         sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=0)
@@ -83,13 +89,17 @@ def plain_ddp(*args: Any) -> torch.Tensor:
 
 
 class TestLightning:
-    """``GradshareDDPStrategy``: a fit resumed from a checkpoint in new processes ends at the
-    parameters of the fit that ran straight through, and both at those of plain DDP."""
+    """``GradshareDDPStrategy``, sharing gradients (the hook) or updates (SharedOptimizer): a
+    fit resumed from a checkpoint in new processes ends at the parameters of the fit that ran
+    straight through, and both at those of plain DDP."""
 
-    def test_resumed_fit_matches_the_straight_fit_and_plain_ddp(self, tmp_path: Path) -> None:
+    @pytest.mark.parametrize("share", ["gradients", "updates"])
+    def test_resumed_fit_matches_the_straight_fit_and_plain_ddp(
+        self, tmp_path: Path, share: str
+    ) -> None:
         pytest.importorskip("lightning", reason=f"needs Lightning: {INSTALL}")
         ckpt = tmp_path / "ckpt"
-        epochs = ["--steps-per-epoch", "3"]
+        epochs = ["--share", share, "--steps-per-epoch", "3"]
         straight = run_example(
             "lightning_ddp.py", *epochs, "--epochs", "2", "--checkpoint-dir", ckpt,
             "--out", tmp_path / "straight.pt",
@@ -107,7 +117,16 @@ class TestLightning:
         whole = torch.load(tmp_path / "straight.pt", weights_only=True)
         resumed = torch.load(tmp_path / "resumed.pt", weights_only=True)
         assert torch.equal(whole, resumed)
-        assert torch.equal(whole, plain_ddp("lightning", 2, 3))
+        assert torch.equal(whole, plain_ddp("lightning", 2, 3, share))
+
+    def test_bad_settings_are_refused(self) -> None:
+        pytest.importorskip("lightning", reason=f"needs Lightning: {INSTALL}")
+        from gradshare.integrations import GradshareDDPStrategy
+
+        with pytest.raises(ValueError, match='Expect `share` "gradients" or "updates"'):
+            GradshareDDPStrategy(share="weights")  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="registers gradshare's hook itself"):
+            GradshareDDPStrategy(ddp_comm_hook=lambda state, bucket: None)
 
 
 class TestAccelerate:

@@ -1,13 +1,14 @@
-"""gradshare's DDP hook under Lightning and accelerate, with every rank's state checkpointed.
+"""gradshare under Lightning and accelerate, with every rank's state checkpointed.
 
 Both frameworks write a checkpoint from rank 0 only (Lightning's ``Trainer.save_checkpoint``,
-accelerate's ``save_state``, including objects given to ``register_for_checkpointing``). The
-hook's residuals and threshold state differ from rank to rank, so each rank writes its own
-file beside the framework's checkpoint and reads it back on resume:
+accelerate's ``save_state``, including objects given to ``register_for_checkpointing``).
+gradshare's residuals and threshold states differ from rank to rank, so each rank writes its
+own file beside the framework's checkpoint and reads it back on resume:
 
 - Lightning: ``Trainer(strategy=GradshareDDPStrategy(), ...)`` registers the threshold hook
   on the DDP model it builds (on CPU too, where ``DDPStrategy(ddp_comm_hook=...)`` registers
-  nothing) and writes ``<checkpoint>.gradshare-rank{r}.pt`` next to each checkpoint.
+  nothing), or with ``share="updates"`` wraps the optimizer in ``SharedOptimizer(opt,
+  ddp=...)``; it writes ``<checkpoint>.gradshare-rank{r}.pt`` beside each checkpoint.
 - accelerate: after ``accelerator.prepare(...)``,
   ``state = register_threshold_hook(model)`` and ``register_rank_checkpointing(accelerator,
   state)``; ``save_state(dir)`` then also writes ``dir/gradshare-rank{r}.pt``.
@@ -15,10 +16,11 @@ file beside the framework's checkpoint and reads it back on resume:
 Each file records the rank and world size that wrote it; loading refuses another rank's file
 or another world size's. Files are read with ``torch.load(weights_only=True)``.
 
-Why the hook and not ``SharedOptimizer(opt, ddp=...)``: both frameworks save the optimizer's
-``state_dict()`` from rank 0 only and load that one file on every rank, and
-SharedOptimizer's state dict carries the rank's residual, which the other ranks refuse (as
-they must). The hook keeps the optimizer plain, so its rank-0 copy is every rank's.
+Why accelerate has the hook only: ``save_state`` writes the optimizer's ``state_dict()`` from
+the main process and ``load_state`` loads that one file into every rank's optimizer, with no
+way around it for one optimizer; SharedOptimizer's state dict carries the rank's residual, so
+the other ranks refuse it (as they must). The hook keeps the optimizer plain, so its rank-0
+copy is every rank's. (Lightning lets the strategy load the optimizers itself.)
 
 Neither framework is imported by ``import gradshare``; this module imports Lightning only
 when ``GradshareDDPStrategy`` is first used (``pip install -e '.[integrations]'``).
