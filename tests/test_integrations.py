@@ -1,0 +1,220 @@
+"""Lightning and accelerate: the examples run as a user runs them, resume bit for bit, and end
+where a plain-DDP run with the same hook and the same batches ends."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from gradshare.integrations import accelerate_rank_file, lightning_rank_file
+
+from world import spawn
+
+ROOT = Path(__file__).resolve().parents[1]
+WORLD = 2
+INSTALL = "pip install -e '.[integrations]'"
+
+
+def run_example(script: str, *args: str | Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / script), *map(str, args)],
+        capture_output=True, text=True, timeout=240, env=env, cwd=ROOT,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    return run
+
+
+def assert_rank_files(paths: list[Path]) -> None:
+    """Each rank wrote its own file, recording that rank and the world size."""
+    for rank, path in enumerate(paths):
+        saved = torch.load(path, weights_only=True)
+        assert (saved["rank"], saved["world_size"]) == (rank, WORLD), path
+        assert isinstance(saved["state"], dict) and saved["state"], path  # the hook state
+
+
+def _plain_ddp(
+    rank: int, world: int, batches: str, num_epochs: int, num_steps: int, share: str = "gradients"
+) -> Any:
+    """The oracle: torch DDP with the same hook (``share="updates"``: the same SharedOptimizer),
+    model, optimizer and batches, no framework.
+
+    ``batches="lightning"``: Lightning's DistributedSampler (seed 0, ``set_epoch`` each
+    epoch), the first ``num_steps`` batches of each of ``num_epochs`` epochs.
+    ``batches="accelerate"``: the unshuffled loader's batches dealt out round-robin (rank r
+    takes r, r + world, ...), ``num_steps`` in all, epoch after epoch.
+    """
+    from torch.nn import functional as F
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+    from gradshare import AdaptiveThreshold, SharedOptimizer, register_threshold_hook
+    from gradshare.datasets import digits, mlp
+
+    split = digits(seed=0)
+    data = TensorDataset(split.x_train, split.y_train)
+    model = DDP(mlp(split.num_features, split.num_classes, seed=0))
+    opt: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=0.2)
+    if share == "gradients":
+        register_threshold_hook(model, threshold=AdaptiveThreshold(1e-3))
+    else:
+        opt = SharedOptimizer(opt, ddp=model, threshold=AdaptiveThreshold(1e-3), reduction="mean")
+    schedule: list[tuple[torch.Tensor, torch.Tensor]] = []
+    if batches == "lightning":
+        sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=0)
+        for epoch in range(num_epochs):
+            sampler.set_epoch(epoch)
+            schedule += list(DataLoader(data, batch_size=32, sampler=sampler))[:num_steps]
+    else:
+        mine = list(DataLoader(data, batch_size=32, drop_last=True))[rank::world]
+        schedule = [mine[i % len(mine)] for i in range(num_steps)]
+    for x, y in schedule:
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    return torch.cat([p.detach().flatten() for p in model.module.parameters()])
+
+
+def plain_ddp(*args: Any) -> torch.Tensor:
+    results = [r.get() for r in spawn(_plain_ddp, WORLD, *args, timeout=180)]
+    assert torch.equal(results[0], results[1])
+    return results[0]
+
+
+class TestLightning:
+    """``GradshareDDPStrategy``, sharing gradients (the hook) or updates (SharedOptimizer): a
+    fit resumed from a checkpoint in new processes ends at the parameters of the fit that ran
+    straight through, and both at those of plain DDP."""
+
+    @pytest.mark.parametrize("share", ["gradients", "updates"])
+    def test_resumed_fit_matches_the_straight_fit_and_plain_ddp(
+        self, tmp_path: Path, share: str
+    ) -> None:
+        pytest.importorskip("lightning", reason=f"needs Lightning: {INSTALL}")
+        ckpt = tmp_path / "ckpt"
+        epochs = ["--share", share, "--steps-per-epoch", "3"]
+        straight = run_example(
+            "lightning_ddp.py", *epochs, "--epochs", "2", "--checkpoint-dir", ckpt,
+            "--out", tmp_path / "straight.pt",
+        )  # fmt: skip
+        assert "x less" in straight.stdout
+        first = ckpt / "step=3.ckpt"
+        assert first.exists(), sorted(p.name for p in ckpt.iterdir())
+        assert_rank_files([lightning_rank_file(first, r) for r in range(WORLD)])
+        link = ckpt / "last.ckpt"  # as ModelCheckpoint(save_last="link") makes it
+        link.symlink_to(first.name)
+        run_example(
+            "lightning_ddp.py", *epochs, "--epochs", "2", "--resume", link,
+            "--out", tmp_path / "resumed.pt",
+        )  # fmt: skip
+        whole = torch.load(tmp_path / "straight.pt", weights_only=True)
+        resumed = torch.load(tmp_path / "resumed.pt", weights_only=True)
+        assert torch.equal(whole, resumed)
+        assert torch.equal(whole, plain_ddp("lightning", 2, 3, share))
+
+    def test_bad_settings_are_refused(self) -> None:
+        pytest.importorskip("lightning", reason=f"needs Lightning: {INSTALL}")
+        from gradshare.integrations import GradshareDDPStrategy
+
+        with pytest.raises(ValueError, match='Expect `share` "gradients" or "updates"'):
+            GradshareDDPStrategy(share="weights")  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="registers gradshare's hook itself"):
+            GradshareDDPStrategy(ddp_comm_hook=lambda state, bucket: None)
+
+
+class TestAccelerate:
+    """``register_rank_checkpointing``: ``save_state`` mid-epoch, ``load_state`` in new
+    processes, and the run ends at the parameters of the straight run and of plain DDP."""
+
+    def test_resumed_run_matches_the_straight_run_and_plain_ddp(self, tmp_path: Path) -> None:
+        pytest.importorskip("accelerate", reason=f"needs accelerate: {INSTALL}")
+        ckpt = tmp_path / "ckpt"
+        steps = ["--steps", "26"]  # 21 batches per rank per epoch: saved 4 into the second
+        straight = run_example(
+            "accelerate_ddp.py", *steps, "--save-at", "25", "--checkpoint-dir", ckpt,
+            "--out", tmp_path / "straight.pt",
+        )  # fmt: skip
+        assert "x less" in straight.stdout
+        assert_rank_files([accelerate_rank_file(ckpt, r) for r in range(WORLD)])
+        resumed_run = run_example(
+            "accelerate_ddp.py", *steps, "--resume", ckpt, "--out", tmp_path / "resumed.pt"
+        )
+        assert "resumed from step 25" in resumed_run.stdout
+        whole = torch.load(tmp_path / "straight.pt", weights_only=True)
+        resumed = torch.load(tmp_path / "resumed.pt", weights_only=True)
+        assert torch.equal(whole, resumed)
+        assert torch.equal(whole, plain_ddp("accelerate", 1, 26))
+
+
+class _Counter:
+    def __init__(self, n: int = 0) -> None:
+        self.n = n
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"n": torch.tensor(self.n)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.n = int(state["n"])
+
+
+class TestRankFiles:
+    """The per-rank files: written whole, read with ``weights_only``, another rank's refused."""
+
+    def test_round_trip(self, tmp_path: Path) -> None:
+        from gradshare.integrations import load_rank_state, save_rank_state
+
+        path = save_rank_state(_Counter(7), tmp_path / "sub" / "r.pt")
+        assert sorted(p.name for p in path.parent.iterdir()) == ["r.pt"]  # no temporary left
+        restored = _Counter()
+        load_rank_state(restored, path)
+        assert restored.n == 7
+
+    def test_another_ranks_file_is_refused(self, tmp_path: Path) -> None:
+        from gradshare.integrations import load_rank_state
+
+        path = tmp_path / "r.pt"
+        torch.save({"rank": 1, "world_size": 2, "state": {"n": torch.tensor(3)}}, path)
+        restored = _Counter(5)
+        with pytest.raises(ValueError, match="written by rank 1 of 2, this is rank 0 of 1"):
+            load_rank_state(restored, path)
+        assert restored.n == 5
+
+    def test_a_missing_file_says_what_to_do(self, tmp_path: Path) -> None:
+        from gradshare.integrations import load_rank_state
+
+        with pytest.raises(FileNotFoundError, match="every rank writes its own file"):
+            load_rank_state(_Counter(), tmp_path / "absent.pt")
+
+
+def _python(code: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env
+    )
+
+
+class TestOptionalImports:
+    """Lightning and accelerate stay optional: gradshare never imports them on its own."""
+
+    def test_importing_gradshare_imports_neither(self) -> None:
+        run = _python(
+            "import sys, gradshare, gradshare.integrations\n"
+            "print(sorted({'lightning', 'accelerate'} & set(sys.modules)))"
+        )
+        assert run.returncode == 0, run.stderr
+        assert run.stdout.strip() == "[]"
+
+    def test_the_strategy_without_lightning_says_how_to_install(self) -> None:
+        run = _python(
+            "import sys; sys.modules['lightning'] = None\n"
+            "from gradshare.integrations import GradshareDDPStrategy"
+        )
+        assert run.returncode != 0
+        assert INSTALL in run.stderr
