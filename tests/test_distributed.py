@@ -85,10 +85,13 @@ def _rank_ddp_equivalence(rank: int, world: int, batches: list) -> dict:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     plain = mlp(10, 3, hidden=16, seed=0)
-    opt = SharedOptimizer(torch.optim.AdamW(plain.parameters(), lr=1e-2))
+    opt = SharedOptimizer(torch.optim.AdamW(plain.parameters(), lr=1e-2), reduction="mean")
     model = mlp(10, 3, hidden=16, seed=0)
     net = DDP(model, bucket_cap_mb=0.001)  # several buckets
     ddp_opt = SharedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), ddp=net)
+    # DDP averaged the gradients: with ddp= the updates are averaged too, by default
+    assert ddp_opt.reduction == "mean"
+    assert SharedOptimizer(torch.optim.SGD(mlp(10, 3).parameters(), lr=0.1)).reduction == "sum"
     local = []
     for x, y in batches[rank::world]:
         opt.zero_grad()
@@ -315,8 +318,9 @@ class TestWithDDP:
 
     def test_same_parameters_as_without_ddp(self) -> None:
         """DDP's all-reduce is replaced by a local no-op hook: each rank's optimizer steps on
-        its own gradient and the updates are shared, exactly as without DDP (several
-        buckets, bit for bit, on every rank)."""
+        its own gradient and the updates are shared (averaged, as DDP averaged gradients),
+        exactly as without DDP with ``reduction="mean"`` (several buckets, bit for bit, on
+        every rank)."""
         results = [r.get() for r in spawn(_rank_ddp_equivalence, 2, toy_batches(12))]
         for r in results:
             assert torch.equal(r["ddp"], r["plain"])

@@ -118,7 +118,9 @@ class SharedOptimizer(torch.optim.Optimizer):
         dense: all-reduce the exact dense updates instead (the oracle to compare with).
         post_processor: residual post-processing.
         process_group: the group to share over (default: the world).
-        reduction: ``"sum"`` (DL4J) or ``"mean"`` over ranks.
+        reduction: ``"sum"`` (DL4J) or ``"mean"`` over ranks; None (the default): ``"mean"``
+            with ``ddp=`` (DDP averaged the gradients, so the learning rate tuned for it stays
+            right), else ``"sum"``.
         timeout: how long a collective may wait for the other ranks before raising (default
             :data:`gradshare.accumulator.DEFAULT_TIMEOUT`).
         magnitude: what each sent entry carries, passed to the :class:`~gradshare.Encoder`:
@@ -146,7 +148,7 @@ class SharedOptimizer(torch.optim.Optimizer):
         dense: bool = False,
         post_processor: ResidualPostProcessor | None = None,
         process_group: Any = None,
-        reduction: Literal["sum", "mean"] = "sum",
+        reduction: Literal["sum", "mean"] | None = None,
         timeout: float | timedelta | None = None,
         magnitude: Literal["threshold", "mean"] = "threshold",
         ddp: DistributedDataParallel | None = None,
@@ -156,6 +158,8 @@ class SharedOptimizer(torch.optim.Optimizer):
                 f"Expect `optimizer` to be a torch.optim.Optimizer, got {type(optimizer).__name__}."
             )
         algorithm = resolve_or_dense(threshold, dense)
+        if reduction is None:
+            reduction = "sum" if ddp is None else "mean"
         if reduction not in ("sum", "mean"):
             raise ValueError(f'Expect `reduction` "sum" or "mean", got {reduction!r}.')
         if not dist.is_available() or not dist.is_initialized():
