@@ -54,6 +54,8 @@ METHODS = ["dense", "powersgd-4", "shared", "hierarchical"]
 WARMUP = 5
 BUDGET_S = 60.0
 """Most seconds of timed steps per method (at least 2 steps are timed)."""
+TIMEOUT_S = 300.0
+"""Most seconds per method in all (start, warm-up, timed steps); then it is killed."""
 
 
 @dataclass(frozen=True)
@@ -266,18 +268,22 @@ def measure(nodes: tuple[Node, Node], method: str, model: str, steps: int) -> di
         out = Path(tmp) / "row.json"
         os.chmod(tmp, 0o777)
         args = ["--worker", method, "--model", model, "--steps", str(steps), "--out", out]
-        runs = torchrun_two_nodes(nodes, Path(__file__).resolve(), args, timeout=600)
+        runs = torchrun_two_nodes(nodes, Path(__file__).resolve(), args, timeout=TIMEOUT_S)
         if any(r.returncode != 0 for r in runs) or not out.exists():
-            tail = "\n".join(r.stderr[-2000:] for r in runs)
-            raise RuntimeError(f"{method} failed:\n{tail}")
+            tail = "\n".join(r.stderr[-1500:] for r in runs)
+            print(f"{method} failed:\n{tail}", flush=True)
+            return {"method": method, "model": model, "error": tail[-500:]}
         return json.loads(out.read_text())
 
 
 def table(rows: list[dict]) -> str:
     head = f"{'method':<13} {'ms/step':>9} {'vs dense':>9} {'link bytes/step':>16} {'steps':>6}"
-    dense = next((r["ms"] for r in rows if r["method"] == "dense"), None)
+    dense = next((r["ms"] for r in rows if r["method"] == "dense" and "ms" in r), None)
     lines = [head, "-" * len(head)]
     for r in rows:
+        if "error" in r:
+            lines.append(f"{r['method']:<13} failed")
+            continue
         speed = f"{dense / r['ms']:.2f}x" if dense else "-"
         lines.append(f"{r['method']:<13} {r['ms']:>9.1f} {speed:>9} "
                      f"{r['link_bytes_per_step']:>16,.0f} {r['steps']:>6}")  # fmt: skip
