@@ -1,6 +1,6 @@
 """Two machines on one: two network namespaces joined by a shaped veth pair, torchrun in each.
 
-Run:  .venv/bin/python bench/multinode.py                       (as root; 13 minutes on a busy 2-core VM)
+Run:  .venv/bin/python bench/multinode.py            (as root; 13 minutes on a busy 2-core VM)
       .venv/bin/python bench/multinode.py --model gpt-0.45m --steps 3 --rate 100mbit
 
 Each "machine" is a network namespace with its loopback up and one end of a veth pair
