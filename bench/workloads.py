@@ -247,19 +247,24 @@ def _hook(quantile: float | None = None, warmup: int = 0, **options: Any) -> Cal
     return wrap
 
 
-def _hook_dgc(model: nn.Module, opt: torch.optim.Optimizer) -> Setup:
-    """The hook at 1% with DGC momentum correction; the SGD steps without momentum."""
-    import gradshare
+def _hook_dgc(quantile: float = 0.01, **options: Any) -> Callable[..., Setup]:
+    """The hook with DGC momentum correction (the SGD's momentum, which then steps without)."""
 
-    group = opt.param_groups[0]
-    if not isinstance(opt, torch.optim.SGD) or not group["momentum"]:
-        raise Skip("needs an SGD with momentum")
-    net = DDP(model)
-    state = gradshare.register_threshold_hook(
-        net, threshold=gradshare.QuantileThreshold(0.01), momentum=group["momentum"]
-    )
-    plain = torch.optim.SGD(model.parameters(), lr=group["lr"])
-    return Setup(net, plain, lambda steps: float(state.bytes_sent))
+    def wrap(model: nn.Module, opt: torch.optim.Optimizer) -> Setup:
+        import gradshare
+
+        group = opt.param_groups[0]
+        if not isinstance(opt, torch.optim.SGD) or not group["momentum"]:
+            raise Skip("needs an SGD with momentum")
+        net = DDP(model)
+        state = gradshare.register_threshold_hook(
+            net, threshold=gradshare.QuantileThreshold(quantile), momentum=group["momentum"],
+            **options,
+        )  # fmt: skip
+        plain = torch.optim.SGD(model.parameters(), lr=group["lr"])
+        return Setup(net, plain, lambda steps: float(state.bytes_sent))
+
+    return wrap
 
 
 def _shared(
@@ -292,7 +297,9 @@ METHODS: dict[str, Callable[[nn.Module, torch.optim.Optimizer], Setup]] = {
     "hook-0.3%": _hook(0.003),
     "hook-mean-1%": _hook(0.01, magnitude="mean"),
     "hook-warmup-1%": _hook(0.01, warmup=WARMUP),
-    "hook-dgc": _hook_dgc,
+    "hook-dgc": _hook_dgc(),
+    "hook-dgc-mean": _hook_dgc(magnitude="mean"),
+    "hook-dgc-0.7%": _hook_dgc(0.007),
     "shared": _shared(),
     "shared-1%": _shared(0.01),
     "shared-0.3%": _shared(0.003),
@@ -300,6 +307,8 @@ METHODS: dict[str, Callable[[nn.Module, torch.optim.Optimizer], Setup]] = {
     "shared-warmup-1%": _shared(0.01, warmup=WARMUP),
     "shared-ddp": _shared(ddp=True),
     "shared-ddp-1%": _shared(0.01, ddp=True),
+    "shared-ddp-mean-1%": _shared(0.01, ddp=True, magnitude="mean"),
+    "shared-ddp-warmup-1%": _shared(0.01, warmup=WARMUP, ddp=True),
 }
 """Name -> ``(model, optimizer) -> Setup``: how each method wraps the workload's model."""
 

@@ -3,18 +3,26 @@
     torchrun --standalone --nproc_per_node=2 examples/torchrun_shared.py
     torchrun --standalone --nproc_per_node=2 examples/torchrun_shared.py \
         --checkpoint-dir ckpt --save-every 10     # kill it, run it again: it resumes
+    torchrun --standalone --nproc_per_node=2 --max-restarts=1 examples/torchrun_shared.py \
+        --checkpoint-dir ckpt --crash-at-step 12  # a rank dies; torchrun restarts, it resumes
 
 Each rank trains on its own share of every epoch's minibatches; the optimizer's updates are
 threshold-encoded, exchanged over torch.distributed (gloo on CPU, NCCL on CUDA) and applied
 alike on every rank. With ``--checkpoint-dir`` every rank saves its own state (model,
 optimizer, residual, threshold) every ``--save-every`` steps and resumes from the newest step
-that every rank saved.
+that every rank saved. That is also what makes an elastic restart whole: under
+``torchrun --max-restarts=N`` a worker that dies takes the others down, torchrun starts them
+all again (``TORCHELASTIC_RESTART_COUNT`` counts the attempts), and they resume from the
+checkpoints to the parameters an uninterrupted run reaches. ``--crash-at-step K`` kills the
+last rank at step K of the first attempt, to try it; ``--hierarchical`` uses
+``SharedOptimizer(..., hierarchical=True)`` (dense inside a machine, encoded across).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -60,6 +68,25 @@ def load(ckpt: Path, step: int, rank: int) -> dict:
     return torch.load(ckpt / f"step{step:06d}" / f"rank{rank}.pt", weights_only=True)
 
 
+def init_distributed() -> None:
+    """``init_process_group("gloo")``, with the store's keys kept apart per restart attempt.
+
+    torchrun hands every attempt the same rendezvous store (``TORCHELASTIC_USE_AGENT_STORE``)
+    and ``env://`` adds no attempt prefix to its keys, so the gloo group of a restarted
+    attempt would read the dead attempt's addresses and hang (torch 2.13, measured); a
+    prefix per attempt keeps them apart.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        dist.init_process_group("gloo")
+        return
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          is_master=False, timeout=timedelta(seconds=300))  # fmt: skip
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"attempt{attempt}/", store),
+                            rank=int(os.environ["RANK"]),
+                            world_size=int(os.environ["WORLD_SIZE"]))  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=5)
@@ -69,21 +96,38 @@ def main() -> None:
     parser.add_argument("--threshold", type=float, default=1e-3, help="adaptive, initial value")
     parser.add_argument("--checkpoint-dir", type=Path, default=None)
     parser.add_argument("--save-every", type=int, default=10)
-    parser.add_argument("--out", type=Path, default=None, help="rank 0 saves the parameters")
-    parser.add_argument("--crash-at-step", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--out",
+        type=str,
+        default=None,
+        help="rank 0 saves the parameters here; every rank if it has {rank}",
+    )
+    parser.add_argument(
+        "--hierarchical",
+        action="store_true",
+        help="dense all-reduce inside a machine, encoded messages across",
+    )
+    parser.add_argument(
+        "--crash-at-step",
+        type=int,
+        default=None,
+        help="the last rank dies at this step (first attempt only)",
+    )
     args = parser.parse_args()
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    dist.init_process_group("gloo")
+    init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     split = digits(seed=0)
     model = mlp(split.num_features, split.num_classes, hidden=256, seed=0)
     opt = SharedOptimizer(  # the one line that changes: wrap the optimizer
         torch.optim.SGD(model.parameters(), lr=args.lr),
         threshold=AdaptiveThreshold(args.threshold),
+        hierarchical=args.hierarchical,
     )
     batches = schedule(split, args.epochs, args.batch_size, rank, world)
     steps = len(batches) if args.steps is None else min(args.steps, len(batches))
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     start = 0
     if args.checkpoint_dir is not None:
         start = latest_complete(args.checkpoint_dir, world)
@@ -94,7 +138,7 @@ def main() -> None:
             if rank == 0:
                 print(f"resumed from step {start}")
     for step in range(start, steps):
-        if step == args.crash_at_step and rank == world - 1:
+        if step == args.crash_at_step and rank == world - 1 and first_attempt:
             os._exit(1)  # a worker dies (tests use this)
         x, y = batches[step]
         opt.zero_grad()
@@ -113,14 +157,15 @@ def main() -> None:
             )
     with torch.no_grad():
         accuracy = (model(split.x_test).argmax(1) == split.y_test).float().mean().item()
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    if args.out is not None and (rank == 0 or "{rank}" in args.out):
+        torch.save(flat, args.out.format(rank=rank))
     if rank == 0:
         dense = 4 * opt.numel * opt.iteration
         print(
             f"test accuracy {accuracy:.4f}; rank 0 sent {opt.bytes_sent:,} B "
             f"vs {dense:,} B dense ({dense / max(opt.bytes_sent, 1):.0f}x less)"
         )
-        if args.out is not None:
-            torch.save(torch.cat([p.detach().reshape(-1) for p in model.parameters()]), args.out)
     dist.destroy_process_group()
 
 

@@ -19,10 +19,15 @@ ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
 
 
-def torchrun(script: str, *args: str | Path) -> subprocess.CompletedProcess[str]:
+def torchrun(script: str, *args: str | Path, restarts: int = 0) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run(
-        [*TORCHRUN, str(ROOT / "examples" / script), *map(str, args)],
+        [
+            *TORCHRUN,
+            f"--max-restarts={restarts}",
+            str(ROOT / "examples" / script),
+            *map(str, args),
+        ],
         capture_output=True,
         text=True,
         timeout=240,
@@ -31,10 +36,22 @@ def torchrun(script: str, *args: str | Path) -> subprocess.CompletedProcess[str]
     )
 
 
-def test_killed_run_resumes_to_the_uninterrupted_result(tmp_path: Path) -> None:
-    steps = ["--epochs", "1", "--steps", "20", "--save-every", "5"]
-    whole = torchrun("torchrun_shared.py", *steps, "--out", tmp_path / "whole.pt")
+STEPS = ["--epochs", "1", "--steps", "20", "--save-every", "5"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> torch.Tensor:
+    """The parameters after 20 uninterrupted steps."""
+    out = tmp_path_factory.mktemp("whole") / "whole.pt"
+    whole = torchrun("torchrun_shared.py", *STEPS, "--out", out)
     assert whole.returncode == 0, whole.stderr[-3000:]
+    return torch.load(out, weights_only=True)
+
+
+def test_killed_run_resumes_to_the_uninterrupted_result(
+    tmp_path: Path, uninterrupted: torch.Tensor
+) -> None:
+    steps = STEPS
     ckpt = tmp_path / "ckpt"
     crashed = torchrun(
         "torchrun_shared.py", *steps, "--checkpoint-dir", ckpt, "--crash-at-step", "12"
@@ -46,9 +63,23 @@ def test_killed_run_resumes_to_the_uninterrupted_result(tmp_path: Path) -> None:
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from step 10" in resumed.stdout
-    a = torch.load(tmp_path / "whole.pt", weights_only=True)
-    b = torch.load(tmp_path / "resumed.pt", weights_only=True)
-    assert torch.equal(a, b)
+    assert torch.equal(torch.load(tmp_path / "resumed.pt", weights_only=True), uninterrupted)
+
+
+def test_elastic_restart_resumes_to_the_uninterrupted_result(
+    tmp_path: Path, uninterrupted: torch.Tensor
+) -> None:
+    """``torchrun --max-restarts=1``: the last rank dies at step 12 of the first attempt,
+    torchrun stops the other and starts both again, and they resume from the step-10
+    checkpoints to the uninterrupted run's parameters, bit for bit, in one launch."""
+    run = torchrun(
+        "torchrun_shared.py", *STEPS, "--checkpoint-dir", tmp_path / "ckpt",
+        "--crash-at-step", "12", "--out", tmp_path / "elastic.pt", restarts=1,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "resumed from step 10" in run.stdout
+    assert "exitcode: 1" in run.stderr or "Restarting" in run.stderr, run.stderr[-3000:]
+    assert torch.equal(torch.load(tmp_path / "elastic.pt", weights_only=True), uninterrupted)
 
 
 def _example(script: str) -> ModuleType:

@@ -8,6 +8,7 @@ and every rank applies the same decoded sum, so the replicas stay bit-identical.
 
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
 from collections.abc import Callable
 from datetime import timedelta
@@ -30,6 +31,7 @@ from gradshare._flat import views
 from gradshare.accumulator import to_seconds
 from gradshare.encoder import Encoder, EncodeStats
 from gradshare.exchange import PrivateGroup, exchange_messages, rank_names, take_back, wait
+from gradshare.nodes import broadcast_messages, node_layout
 from gradshare.residual import ResidualPostProcessor
 from gradshare.threshold import ThresholdAlgorithm, resolve_or_dense
 
@@ -132,6 +134,19 @@ class SharedOptimizer(torch.optim.Optimizer):
             is shared, exactly as without DDP. The one-line change for AdamW users of DDP:
             ``opt = SharedOptimizer(opt, ddp=ddp_model)``. ``process_group`` defaults to
             the DDP model's.
+        hierarchical: exchange in two levels, for several ranks per machine: ``True`` takes
+            the ranks per machine (node) from ``LOCAL_WORLD_SIZE`` (torchrun sets it), a
+            number gives them; the ranks of a node must be consecutive (as torchrun numbers
+            them) and every node the same size. Each step, the ranks of a node all-reduce
+            their updates densely (sum) over the fast local link; every rank of the node adds
+            that node update into the node's residual with an identical encoder (so each rank's
+            checkpoint holds its node's residual), only the node leaders (first rank of each)
+            exchange their encoded messages across nodes, and each leader broadcasts them to
+            its node, where every rank validates and applies them in node order. The sum is
+            over all ranks' updates, as in the flat exchange (``"mean"`` divides by the world
+            size). The link between machines then carries one message per node, not one per
+            rank (DL4J's one message per node). ``bytes_sent`` counts what a leader sent
+            across nodes (0 on the other ranks).
 
     Example::
 
@@ -152,6 +167,7 @@ class SharedOptimizer(torch.optim.Optimizer):
         timeout: float | timedelta | None = None,
         magnitude: Literal["threshold", "mean"] = "threshold",
         ddp: DistributedDataParallel | None = None,
+        hierarchical: bool | int = False,
     ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(
@@ -195,6 +211,19 @@ class SharedOptimizer(torch.optim.Optimizer):
             raise ValueError("Expect an optimizer with parameters: there is nothing to share.")
         self.numel = sum(p.numel() for p in params)
         self.device = params[0].device
+        if hierarchical is not False and algorithm is None:
+            raise ValueError(
+                "`hierarchical` needs encoded updates: with `dense=True` the flat all-reduce "
+                "already is the dense exchange."
+            )
+        self.nodes = node_layout(hierarchical, process_group, self._private.get(), self.timeout)
+        """The nodes of the hierarchical exchange (None: flat, every rank's message)."""
+        if self.nodes is not None:
+            self._node = PrivateGroup(None, self.timeout, self.nodes.node_ranks)
+            self._leaders = PrivateGroup(None, self.timeout, self.nodes.rail_ranks)
+            """For the leaders, the leaders' group (for the others their rail's, unused)."""
+            self._node.get()  # every rank makes both now, in this order (see rail_ranks)
+            self._leaders.get()
         self._before = torch.empty(self.numel, dtype=params[0].dtype, device=self.device)
         self._update = torch.empty_like(self._before)
         self._scratch = torch.zeros_like(self._before)
@@ -269,7 +298,7 @@ class SharedOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = self.optim.step(closure)
             update = codec.take_update_(before, _flat_params(params, self._update), self._update)
-            if self.encoder is not None:
+            if self.encoder is not None and self.nodes is None:
                 message = self.encoder.encode(update, self.iteration, finite=True)
                 self.last_stats = self.encoder.last_stats
         except Exception as e:  # tell the other ranks before raising here
@@ -277,6 +306,8 @@ class SharedOptimizer(torch.optim.Optimizer):
         try:
             if self.encoder is None:
                 self._dense_step(before, failure)
+            elif self.nodes is not None:
+                self._share_hierarchical(before, failure)
             else:
                 self._share(message, before, failure)
                 self.bytes_sent += 0 if message is None else message.numel() * 4
@@ -306,6 +337,65 @@ class SharedOptimizer(torch.optim.Optimizer):
                 take_back(message, self.encoder.residual)  # type: ignore[arg-type]
             raise
 
+    def _share_hierarchical(self, before: torch.Tensor, failure: BaseException | None) -> None:
+        """All-reduce the node's update, encode it into the node residual (alike on every rank
+        of the node), exchange the node messages between leaders, broadcast them in the node,
+        and step ``before -= Σ decoded / divisor``. A failure anywhere reaches every rank:
+        a leader tells the other leaders, and its node through the broadcast."""
+        nodes, encoder = self.nodes, self.encoder
+        assert nodes is not None and encoder is not None
+        rank = dist.get_rank()
+        leader = rank == nodes.leader
+        kw: dict[str, Any] = {"timeout": self.timeout, "device": self.device}
+        try:  # 1. every rank of the node is well, then U = Σ of the node's updates
+            node = self._node.get()
+            exchange_messages(None, self.numel, group=node, failure=failure, **kw)
+            wait(dist.all_reduce(self._update, group=node, async_op=True), self.timeout,
+                 "node all-reduce", rank)  # fmt: skip
+        except BaseException as e:
+            if leader:
+                self._tell_leaders(e)
+            raise
+        message: torch.Tensor | None = None
+        failure = None
+        try:  # 2. the same residual, U and threshold give the same message on every rank
+            message = encoder.encode(self._update, self.iteration)
+            self.last_stats = encoder.last_stats
+        except Exception as e:
+            failure = e
+        try:  # 3. leaders exchange across nodes, then hand the messages to their node
+            if leader:
+                try:
+                    gathered = exchange_messages(message, self.numel, group=self._leaders.get(),
+                                                 failure=failure, **kw)  # fmt: skip
+                except BaseException:
+                    if failure is None:  # the others of the node wait for the broadcast
+                        broadcast_messages(None, src=rank, group=self._node.get(),
+                                           num_nodes=nodes.num_nodes, numel=self.numel,
+                                           **kw)  # fmt: skip
+                    raise
+                self.bytes_sent += 0 if message is None else message.numel() * 4
+            elif failure is not None:
+                raise failure  # the leader failed alike (same residual, same U)
+            else:
+                gathered = None
+            messages = broadcast_messages(
+                gathered if leader else None, src=nodes.leader, group=self._node.get(),
+                num_nodes=nodes.num_nodes, numel=self.numel, **kw,
+            )  # fmt: skip
+            codec.subtract_sum_(messages, before, self._scratch, divisor=self._divisor(),
+                                names=[f"node {k}" for k in range(nodes.num_nodes)])  # fmt: skip
+        except BaseException:
+            if message is not None:
+                take_back(message, encoder.residual)  # type: ignore[arg-type]
+            raise
+
+    def _tell_leaders(self, error: BaseException) -> None:
+        """This node failed before its exchange: let the other leaders raise at once too."""
+        with contextlib.suppress(BaseException):
+            exchange_messages(None, self.numel, group=self._leaders.get(), timeout=self.timeout,
+                              device=self.device, failure=error)  # fmt: skip
+
     def _divisor(self) -> int:
         return dist.get_world_size(self.group) if self.reduction == "mean" else 1
 
@@ -334,6 +424,7 @@ class SharedOptimizer(torch.optim.Optimizer):
             "numel": self.numel,
             "world_size": dist.get_world_size(self.group),
             "rank": dist.get_rank(self.group),
+            "hierarchical": None if self.nodes is None else self.nodes.node_size,
         }
         return saved
 
@@ -355,6 +446,13 @@ class SharedOptimizer(torch.optim.Optimizer):
                 f"Checkpoint was saved by rank {saved_at[1]} of {saved_at[0]}, this is rank "
                 f"{rank} of {world}: each rank loads the file its own rank saved, in a world "
                 "of the same size (another size would drop or invent residuals)."
+            )
+        mode = None if self.nodes is None else self.nodes.node_size
+        if ours.get("hierarchical") != mode:
+            raise ValueError(
+                f"Checkpoint was saved with hierarchical={ours.get('hierarchical')} (ranks per "
+                f"node; None: flat), this optimizer has {mode}: a node residual and a rank's "
+                "residual are different books; resume in the mode that saved it."
             )
         if (ours["encoder"] is None) != (self.encoder is None):
             raise ValueError("Checkpoint and optimizer differ in mode (encoded vs `dense=True`).")

@@ -181,18 +181,20 @@ class PrivateGroup:
     a later use makes a new one.
 
     Its first use is a collective of the group's ranks (``use_local_synchronization``: only
-    they take part).
+    they take part). With ``ranks`` (global ranks) it is a group of those ranks instead of a
+    twin (the nodes and node leaders of the hierarchical exchange); only they may use it.
     """
 
-    def __init__(self, group: Any, timeout: timedelta) -> None:
+    def __init__(self, group: Any, timeout: timedelta, ranks: list[int] | None = None) -> None:
         self.parent = group
         self.timeout = timeout
+        self.ranks = ranks
         self._ref: Any = None
 
     def get(self) -> Any:
         group = None if self._ref is None else self._ref()
         if group is None:
-            ranks = dist.get_process_group_ranks(self.parent or dist.group.WORLD)
+            ranks = self.ranks or dist.get_process_group_ranks(self.parent or dist.group.WORLD)
             start = time.monotonic()
             try:
                 group = dist.new_group(ranks, timeout=self.timeout, use_local_synchronization=True)
