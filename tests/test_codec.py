@@ -5,7 +5,11 @@ path bit for bit in every way a step can end) are in tests/test_kernels.py."""
 from __future__ import annotations
 
 import contextlib
+import os
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,6 +27,8 @@ from gradshare.codec import (
     encode_sparse_,
     message_info,
 )
+
+from codec_steps import run_steps
 
 FLOATS = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 
@@ -719,3 +725,65 @@ class TestMeanMagnitude:
             assert msg is not None
             assert message_info(msg).threshold == _exact_mean_f32(x)
 
+
+class TestUseKernels:
+    """``use_kernels`` and ``GRADSHARE_KERNELS``: the one supported switch to the torch ops."""
+
+    def test_block_switches_and_restores(self) -> None:
+        before = codec.kernels_enabled()
+        with codec.use_kernels(False):
+            assert not codec.kernels_enabled()
+            with codec.use_kernels(True):
+                assert codec.kernels_enabled()
+            assert not codec.kernels_enabled()
+        assert codec.kernels_enabled() == before
+
+    def test_restored_after_an_error(self) -> None:
+        before = codec.kernels_enabled()
+        with pytest.raises(RuntimeError, match="inside"), codec.use_kernels(not before):
+            raise RuntimeError("inside")
+        assert codec.kernels_enabled() == before
+
+    def test_not_a_bool_is_refused(self) -> None:
+        before = codec.kernels_enabled()
+        with pytest.raises(TypeError, match="`enabled` to be a bool, got int"):
+            with codec.use_kernels(0):  # type: ignore[arg-type]
+                pass
+        assert codec.kernels_enabled() == before
+
+    def test_environment_runs_everything_on_torch_without_numba(self, tmp_path: Path) -> None:
+        """``GRADSHARE_KERNELS=0``: every codec step gives the kernels' results bit for bit, and
+        numba is never imported (not even to validate a message past the serial-decode size)."""
+        script = (
+            "import sys, torch\n"
+            f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+            "from gradshare import codec\n"
+            "from codec_steps import run_steps\n"
+            "assert not codec.kernels_enabled()\n"
+            "out = run_steps()\n"
+            "assert 'numba' not in sys.modules, 'numba imported'\n"
+            f"torch.save(out, {str(tmp_path / 'torch.pt')!r})\n"
+        )
+        env = dict(os.environ, GRADSHARE_KERNELS="0")
+        done = subprocess.run(
+            [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        with codec.use_kernels(True):
+            want = run_steps()
+        got = torch.load(tmp_path / "torch.pt")
+        assert len(got) == len(want)
+        for a, b in zip(got, want, strict=True):
+            assert a.dtype == b.dtype and torch.equal(bits(a), bits(b))
+
+    @pytest.mark.parametrize("value", ["no", "2", "false"])
+    def test_bad_environment_value_is_named(self, value: str) -> None:
+        env = dict(os.environ, GRADSHARE_KERNELS=value)
+        done = subprocess.run(
+            [sys.executable, "-c", "import gradshare"], env=env, capture_output=True, text=True
+        )
+        assert done.returncode != 0
+        want = (
+            f"Expect GRADSHARE_KERNELS to be 0 (torch ops only) or 1 (the default), got {value!r}"
+        )
+        assert want in done.stderr
