@@ -32,7 +32,7 @@ import functools
 import json
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -63,14 +63,9 @@ class Row:
     vs_torch: float
 
 
-@contextlib.contextmanager
-def torch_ops() -> Iterator[None]:
-    saved = codec._use_kernels
-    codec._use_kernels = lambda x: False  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        codec._use_kernels = saved  # type: ignore[assignment]
+def torch_ops() -> contextlib.AbstractContextManager[None]:
+    """The codec on vectorised torch ops (its CUDA path), on CPU."""
+    return codec.use_kernels(False)
 
 
 @numba.njit(parallel=True, nogil=True)

@@ -14,7 +14,15 @@ Decoding **adds** into its target and validates the whole message first: a bad m
 
 On CPU, float32 and float64 tensors go through fused numba kernels (:mod:`gradshare._kernels`,
 compiled on first use and cached on disk); CUDA tensors, float16 and bfloat16 go through
-vectorised torch ops with the same results.
+vectorised torch ops (:mod:`gradshare._torch_paths`) with the same results. To run everything
+on the torch ops (and never import numba), set ``GRADSHARE_KERNELS=0`` before importing
+gradshare, or for a block of code::
+
+    with codec.use_kernels(False):
+        ...
+
+This module holds the public functions and the checks of every argument and message; the work
+is done by :class:`Workspace` (:mod:`gradshare._workspace`) and :mod:`gradshare._dispatch`.
 
 Example::
 
@@ -29,19 +37,35 @@ Example::
 
 from __future__ import annotations
 
-import contextlib
 import math
 import struct
-import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from types import ModuleType
 from typing import Any
 
 import numpy as np
 import torch
 
-from gradshare import threads
+from gradshare import _dispatch
+from gradshare._dispatch import kernels_enabled, use_kernels
+from gradshare._dispatch import serial_kernels as serial_kernels
+from gradshare._format import (
+    BITMAP_ENCODING,
+    F32,
+    F32_MAX,
+    F32_TINY,
+    FLEXIBLE_ENCODING,
+    FORMAT_NAMES,
+    HEADER_WORDS,
+    MAGNITUDES,
+    MAX_NUMEL,
+    bitmap_length,
+    bits_threshold,
+    mean_magnitude,
+    sparse_length,
+)
+from gradshare._workspace import Workspace as Workspace
+from gradshare._workspace import thread_workspace
 
 __all__ = [
     "BITMAP_ENCODING",
@@ -57,29 +81,19 @@ __all__ = [
     "decode_sum_",
     "encode_bitmap_",
     "encode_sparse_",
+    "kernels_enabled",
     "mean_magnitude",
     "message_info",
     "sparse_length",
     "subtract_sum_",
     "take_update_",
+    "use_kernels",
 ]
 
-FLEXIBLE_ENCODING = 0
-"""Format id of a sparse message (signed 1-based indices)."""
-BITMAP_ENCODING = 1
-"""Format id of a bitmap message (2 bits per element)."""
-HEADER_WORDS = 4
-MAX_NUMEL = 2**31 - 1
-"""Largest N a message can address: indices are signed int32 ``±(i+1)``."""
+# Also here, for gradshare's own modules (not public API): Workspace, serial_kernels, the check_*
+# helpers, float32_threshold, shares_memory, find_nonfinite, nonfinite_error.
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-_KERNEL_DTYPES = (torch.float32, torch.float64)
-_FORMAT_NAMES = {FLEXIBLE_ENCODING: "sparse", BITMAP_ENCODING: "bitmap"}
-_F32 = struct.Struct("<f")
-_I32 = struct.Struct("<i")
-_NO_WORDS = np.zeros(0, np.int32)
-_local = threading.local()
-"""Per thread: the codec functions' workspace and the serial-kernels flag."""
 
 
 class MessageError(ValueError):
@@ -104,17 +118,7 @@ class MessageInfo:
 
     @property
     def format_name(self) -> str:
-        return _FORMAT_NAMES[self.format]
-
-
-def sparse_length(num_entries: int) -> int:
-    """Words in a sparse message of ``num_entries`` entries: K + 4."""
-    return num_entries + HEADER_WORDS
-
-
-def bitmap_length(numel: int) -> int:
-    """Words in a bitmap message for N elements: N//16 + 5."""
-    return numel // 16 + 1 + HEADER_WORDS
+        return FORMAT_NAMES[self.format]
 
 
 # --------------------------------------------------------------------------- checks
@@ -181,7 +185,7 @@ def check_no_overlap(message: Any, target: torch.Tensor, what: str, name: str) -
 def float32_threshold(threshold: float) -> float:
     """Return ``threshold`` rounded to float32 (as the wire stores it), or raise ValueError."""
     try:
-        t = _F32.unpack(_F32.pack(threshold))[0]
+        t = F32.unpack(F32.pack(threshold))[0]
     except (OverflowError, TypeError, struct.error):
         t = math.inf
     if not (math.isfinite(t) and t > 0):
@@ -192,76 +196,32 @@ def float32_threshold(threshold: float) -> float:
     return t
 
 
-def _threshold_bits(t: float) -> int:
-    """The int32 reading of ``t``'s float32 bits (t already float32-representable)."""
-    return int(_I32.unpack(_F32.pack(t))[0])
+def check_magnitude(magnitude: Any) -> bool:
+    """Return whether ``magnitude`` asks for the mean (``"mean"``), or raise ValueError."""
+    if magnitude not in MAGNITUDES:
+        raise ValueError(
+            f"Expect `magnitude` to be 'threshold' or 'mean', got {magnitude!r}: the header's "
+            "float is either t or the mean magnitude of the elements the message sends."
+        )
+    return bool(magnitude == "mean")
 
 
-_SMALL = 1 << 14
-"""Entries below which a kernel runs in the calling thread (``_kernels.SMALL``)."""
+def check_boundary(boundary: int | None) -> None:
+    """Raise unless ``boundary`` (the most entries a message may carry) is an int >= 1 or None."""
+    if boundary is not None and (isinstance(boundary, bool) or not isinstance(boundary, int)):
+        raise TypeError(f"Expect `boundary` to be an int or None, got {type(boundary).__name__}.")
+    if boundary is not None and boundary < 1:
+        raise ValueError(
+            f"Expect `boundary` >= 1 or None, got {boundary}: it caps the entries of a message."
+        )
 
 
-def _use_kernels(x: torch.Tensor) -> bool:
-    return x.is_cpu and x.dtype in _KERNEL_DTYPES
-
-
-_kernels_module: ModuleType | None = None
-_kernel_lock = threading.Lock()
-"""Serialises parallel kernel calls: each already uses every core, and not every numba
-threading layer accepts launches from several threads at once."""
-
-
-def _k() -> ModuleType:
-    global _kernels_module
-    if _kernels_module is None:
-        from gradshare import _kernels
-
-        _kernels_module = _kernels
-    return _kernels_module
-
-
-@contextlib.contextmanager
-def serial_kernels() -> Iterator[None]:
-    """Run this thread's kernel calls single-threaded while in the block.
-
-    For code that is itself one of several worker threads (:class:`gradshare.ParallelWrapper`'s
-    workers): the workers then encode and decode at the same time, each on its own core,
-    instead of queueing for the kernels' thread pool, whose idle threads would spin against
-    the other workers.
-    """
-    saved = getattr(_local, "serial", False)
-    _local.serial = True
-    try:
-        yield
-    finally:
-        _local.serial = saved
-
-
-def _launch(name: str, *args: Any, small: bool = False) -> Any:
-    """Call kernel ``name``: its serial twin for ``small`` work, in a :func:`serial_kernels`
-    block (waking the thread pool would cost more) or when this process's share of the machine
-    is one thread (:func:`gradshare.threads.kernel_threads`), else the parallel one."""
-    k = _k()
-    if small or getattr(_local, "serial", False) or threads.kernel_threads() == 1:
-        return k.SERIAL[name](*args)
-    threads.parallel_threads()
-    with _kernel_lock:
-        return k.PARALLEL[name](*args)
-
-
-def _scalar(t: float, x: torch.Tensor) -> Any:
-    return np.float32(t) if x.dtype == torch.float32 else np.float64(t)
+# --------------------------------------------------------------------------- updates
 
 
 def find_nonfinite(x: torch.Tensor) -> tuple[int, int]:
     """Return (number of non-finite elements of a 1-D tensor, index of the first or -1)."""
-    if _use_kernels(x):
-        counts = np.zeros(_k().num_chunks(x.numel()), np.int64)
-        _launch("count_nonfinite", x.detach().numpy(), counts)
-        bad = int(counts.sum())
-    else:
-        bad = int((~torch.isfinite(x)).sum())
-    return _first_nonfinite(x, bad)
+    return _first_nonfinite(x, _dispatch.count_nonfinite(x))
 
 
 def _first_nonfinite(x: torch.Tensor, bad: int) -> tuple[int, int]:
@@ -298,403 +258,14 @@ def take_update_(
                 f"Expect `{name}` like `before` ({before.dtype}, {tuple(before.shape)}, "
                 f"{before.device}), got {x.dtype}, {tuple(x.shape)}, {x.device}."
             )
-    if _use_kernels(before) and before.numel():
-        counts = np.zeros(_k().num_chunks(before.numel()), np.int64)
-        _launch("take_update", _array(before), _array(after), _array(out), restore, counts)
-        bad = int(counts.sum())
-    else:
-        torch.sub(before, after, out=out)
-        if restore:
-            after.copy_(before)
-        bad = int((~torch.isfinite(out)).sum())
+    bad = _dispatch.take_update_(before, after, out, restore)
     bad, first = _first_nonfinite(out, bad)
     if bad:
         raise nonfinite_error(out, bad, first, "nothing was shared")
     return out
 
 
-# --------------------------------------------------------------------------- workspaces
-
-
-class Workspace:
-    """Reusable buffers of a two-step sparse encode: count first, then emit.
-
-    ``scan_`` optionally adds an update into the residual and counts the elements that qualify
-    (``|x| >= t``); ``emit_`` then writes the first ``limit`` of them into a message, or
-    ``bitmap_`` encodes the residual as a bitmap instead. Logically nothing but the addition
-    happens in ``scan_``, so a caller can still choose the format from the count.
-
-    On the fused CPU path ``scan_`` works ahead: it already moves the qualifying elements while
-    they are in cache and records their old values, and the next call on this workspace
-    (``emit_``, ``bitmap_``, ``scan_`` or :meth:`settle_`) keeps or exactly undoes those moves;
-    with fewer than 2 qualifying elements ``scan_`` undoes them itself. So between ``scan_`` and
-    that next call the residual must not be read or written by anything else. One workspace
-    serves one residual at a time; :class:`gradshare.Encoder` owns one, the plain codec
-    functions keep one per thread.
-    """
-
-    def __init__(self) -> None:
-        self.count = 0
-        """Qualifying elements found by the last scan."""
-        self.sumsq = 0.0
-        """``sum(r*r)`` of the residual after the last scan, emit or bitmap."""
-        self.value = 0.0
-        """The float32 value each entry of the last emit or bitmap sends: t, or with
-        ``mean=True`` the mean magnitude of the sent elements (:func:`mean_magnitude`)."""
-        self._t = 0.0
-        self._n = 0
-        self._ts: Any = None
-        """t as a numpy scalar of the residual's type, and its float32 bits (fused path)."""
-        self._bits = 0
-        self._capacity = 0
-        self._idx: torch.Tensor | None = None
-        self._counts = np.zeros(0, np.int64)
-        self._offsets = np.zeros(0, np.int64)
-        self._ent = np.zeros(0, np.int32)
-        self._old: dict[Any, np.ndarray] = {}
-        self._bins = np.zeros((0, 0), np.int64)
-        self._fit: tuple[int, Any, int, np.ndarray, np.ndarray, np.ndarray] | None = None
-        """(N, dtype, chunks, counts, offsets, old) of the last size served."""
-        self._pending: tuple[torch.Tensor, np.ndarray] | None = None
-        """(residual, its array) while the moves of the last scan are not settled."""
-
-    def _reserve(self, n: int, dtype: Any) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
-        """(chunks, counts, offsets, old) for N elements of ``dtype``; grows the buffers."""
-        fit = self._fit
-        if fit is not None and fit[0] == n and fit[1] == dtype:
-            return fit[2], fit[3], fit[4], fit[5]
-        k = _k()
-        nch = k.num_chunks(n)
-        if nch > self._capacity:
-            self._capacity = nch
-            self._counts = np.zeros(nch, np.int64)
-            self._offsets = np.zeros(nch, np.int64)
-            self._ent = np.zeros(nch * k.STRIDE, np.int32)
-            self._old = {}
-        old = self._old.get(dtype)
-        if old is None:
-            old = self._old[dtype] = np.zeros(self._capacity * k.STRIDE, dtype)
-        self._fit = (n, dtype, nch, self._counts[:nch], self._offsets[:nch], old)
-        return self._fit[2:]
-
-    def _scalar(self, t: float, dtype: Any) -> Any:
-        """t as a numpy scalar of ``dtype`` (cached, with its header bits in ``_bits``)."""
-        ts = self._ts
-        if ts is None or type(ts) is not dtype.type or ts != t:
-            ts = self._ts = dtype.type(t)
-            self._bits = _threshold_bits(t)
-        return ts
-
-    def _zeroed_bins(self, chunks: int) -> np.ndarray:
-        """Per-chunk exponent bins for :func:`mean_magnitude`, zeroed (grown as needed)."""
-        if self._bins.shape[0] < chunks:
-            self._bins = np.zeros((chunks, _k().NBINS), np.int64)
-        bins = self._bins[:chunks]
-        bins.fill(0)
-        return bins
-
-    def settle_(self) -> None:
-        """Undo the moves a fused ``scan_`` made ahead, if no ``emit_``/``bitmap_`` followed."""
-        if self._pending is not None:
-            r = self._pending[1]
-            self._pending = None
-            _, counts, _, old = self._reserve(r.size, r.dtype)
-            _launch("undo", r, counts, self._ent, old)
-
-    def scan_(self, residual: torch.Tensor, update: torch.Tensor | None, t: float) -> int:
-        """``residual += update`` (if given); count and remember the elements with ``|x| >= t``."""
-        if self._pending is not None:
-            self.settle_()
-        n = residual.numel()
-        if _use_kernels(residual):
-            r = _array(residual)
-            u = r if update is None else _array(update)
-            _, counts, _, old = self._reserve(n, r.dtype)
-            ts = self._scalar(t, r.dtype)
-            self._t, self._n = t, n
-            count, sumsq = _launch("scan", r, u, update is not None, ts, counts, self._ent, old)
-            self.count, self.sumsq = count, sumsq
-            if count >= 2:
-                self._pending = (residual, r)
-            elif count:
-                self._pending = (residual, r)
-                self.settle_()
-            return count
-        self._t, self._n = t, n
-        if update is not None:
-            residual.add_(update)
-        x = residual.detach().float() if residual.dtype not in _KERNEL_DTYPES else residual.detach()
-        self._idx = torch.nonzero(x.abs() >= t).view(-1)
-        self.count = int(self._idx.numel())
-        self.sumsq = float(x.double().square().sum())
-        return self.count
-
-    def _take_pending(self, residual: torch.Tensor) -> np.ndarray:
-        """The array of ``residual`` with the moves of its last scan made (re-made if settled)."""
-        pend = self._pending
-        self._pending = None
-        if pend is not None and _same(pend[0], residual):
-            return pend[1]
-        if pend is not None:
-            self._pending = pend
-            self.settle_()
-        r = _array(residual)
-        _, counts, _, old = self._reserve(r.size, r.dtype)
-        ts = self._scalar(self._t, r.dtype)
-        _launch("scan", r, r, False, ts, counts, self._ent, old)
-        return r
-
-    def emit_(
-        self, residual: torch.Tensor, limit: int | None = None, *, mean: bool = False
-    ) -> torch.Tensor:
-        """Encode the first ``limit`` (default all) elements found by the last scan.
-
-        Each sent element leaves the residual as ``±t``, or with ``mean`` as ``±m``, the mean
-        magnitude of the sent elements (:func:`mean_magnitude`), which the header then carries.
-        """
-        t, n = self._t, self._n
-        count = self.count
-        take = count if limit is None or limit >= count else limit
-        mean = mean and take > 0
-        if _use_kernels(residual):
-            message = torch.empty(take + HEADER_WORDS, dtype=torch.int32)
-            r = self._take_pending(residual)
-            nch, counts, offsets, old = self._reserve(n, r.dtype)
-            ts = self._scalar(t, r.dtype)
-            step, bits, self.value = ts, self._bits, t
-            if mean:
-                bins = self._zeroed_bins(nch)
-                _launch("sent_magnitudes", r, ts, counts, old, take, bins, small=count < _SMALL)
-                self.value = mean_magnitude(bins.sum(axis=0), take)
-                step, bits = r.dtype.type(self.value), _threshold_bits(self.value)
-            dsumsq = _launch(
-                "emit_sparse",
-                *(r, ts, step, mean, counts, offsets, self._ent, old, take),
-                *(message.numpy(), bits),
-                small=count < _SMALL,
-            )
-            self.sumsq += dsumsq
-            return message
-        message = torch.empty(take + HEADER_WORDS, dtype=torch.int32, device=residual.device)
-        if self._pending is not None:
-            self.settle_()
-        assert self._idx is not None
-        idx = self._idx[:take]
-        x = residual[idx]
-        xf = x.float() if x.dtype not in _KERNEL_DTYPES else x
-        self.value = mean_magnitude(_torch_bins(xf), take) if mean else t
-        _write_header(message, take, n, self.value, FLEXIBLE_ENCODING)
-        pos = xf >= t
-        moved = torch.where(pos, xf - self.value, xf + self.value)
-        residual[idx] = moved.to(residual.dtype)
-        message[HEADER_WORDS:] = torch.where(pos, idx + 1, -(idx + 1)).to(torch.int32)
-        self.sumsq += float(moved.double().square().sum() - xf.double().square().sum())
-        return message
-
-    def bitmap_(
-        self,
-        residual: torch.Tensor,
-        t: float,
-        update: torch.Tensor | None = None,
-        *,
-        mean: bool = False,
-    ) -> tuple[torch.Tensor, int]:
-        """``residual += update`` (if given), bitmap-encode it in place; return message, sent.
-
-        With ``mean`` every element with ``|x| >= t`` is sent as ``±m``, the mean of their
-        magnitudes (:func:`mean_magnitude`), and no element as the half step ``-m/2``.
-        """
-        n = residual.numel()
-        message = torch.empty(bitmap_length(n), dtype=torch.int32, device=residual.device)
-        pend = self._pending
-        pending = pend is not None and _same(pend[0], residual)
-        if pend is not None and not (pending and _use_kernels(residual)):
-            self.settle_()
-            pending = False
-        self._pending = None
-        self.value = t
-        if mean:
-            return self._bitmap_mean(residual, t, update, message, pending)
-        if _use_kernels(residual):
-            r = _array(residual)
-            u = r if update is None else _array(update)
-            _, counts, _, old = self._reserve(n, r.dtype)
-            ts = self._scalar(t, r.dtype)
-            msg = message.numpy()
-            msg[:HEADER_WORDS] = (n, n, self._bits, BITMAP_ENCODING)
-            msg[-1] = 0
-            sent, sumsq = _launch(
-                "encode_bitmap",
-                r,
-                u,
-                update is not None,
-                ts,
-                msg[HEADER_WORDS:].view(np.uint32),
-                counts,
-                pending,
-                self._ent,
-                old,
-            )
-            self.sumsq = sumsq
-            return message, sent
-        _write_header(message, n, n, t, BITMAP_ENCODING)
-        if update is not None:
-            residual.add_(update)
-        payload, sent, sumsq = _torch_bitmap_(residual, t)
-        message[HEADER_WORDS:] = payload
-        self.sumsq = sumsq
-        return message, sent
-
-    def _bitmap_mean(
-        self,
-        residual: torch.Tensor,
-        t: float,
-        update: torch.Tensor | None,
-        message: torch.Tensor,
-        pending: bool,
-    ) -> tuple[torch.Tensor, int]:
-        """:meth:`bitmap_` with ``mean``: one pass to bin the magnitudes, one to encode."""
-        n = residual.numel()
-        if _use_kernels(residual):
-            r = _array(residual)
-            u = r if update is None else _array(update)
-            nch, counts, _, old = self._reserve(n, r.dtype)
-            bins = self._zeroed_bins(nch)
-            ts = self._scalar(t, r.dtype)
-            args = (r, u, update is not None, ts, counts, pending, self._ent, old, bins)
-            hits = _launch("bitmap_magnitudes", *args)
-            self.value = m = mean_magnitude(bins.sum(axis=0), hits) if hits else t
-            msg = message.numpy()
-            msg[:HEADER_WORDS] = (n, n, _threshold_bits(m), BITMAP_ENCODING)
-            msg[-1] = 0
-            step = r.dtype.type(m)
-            words = msg[HEADER_WORDS:].view(np.uint32)
-            sent, self.sumsq = _launch("encode_bitmap_step", r, ts, step, words)
-            return message, sent
-        if update is not None:
-            residual.add_(update)
-        x = residual.detach()
-        x = x.float() if x.dtype not in _KERNEL_DTYPES else x
-        mag = x.abs() >= t
-        hits = int(mag.sum())
-        self.value = m = mean_magnitude(_torch_bins(x[mag]), hits) if hits else t
-        _write_header(message, n, n, m, BITMAP_ENCODING)
-        step = torch.tensor(m, dtype=x.dtype, device=x.device)
-        neg = mag & (x < 0)
-        moved = x - torch.where(mag, torch.where(neg, -step, step), 0 * step)
-        residual.copy_(moved)
-        message[HEADER_WORDS:] = _pack_codes(mag, neg)
-        self.sumsq = float(moved.double().square().sum())
-        return message, hits
-
-
-def _array(x: torch.Tensor) -> np.ndarray:
-    """The numpy view of a CPU tensor (no copy)."""
-    return (x.detach() if x.requires_grad else x).numpy()
-
-
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a is b or (
-        a.data_ptr() == b.data_ptr() and a.numel() == b.numel() and a.dtype == b.dtype
-    )
-
-
-def _write_header(message: torch.Tensor, first: int, numel: int, t: float, fmt: int) -> None:
-    header = (first, numel, _threshold_bits(t), fmt)
-    if message.device.type == "cpu":
-        message.numpy()[:HEADER_WORDS] = header
-    else:
-        message[:HEADER_WORDS] = torch.tensor(header, dtype=torch.int32)
-
-
-def _torch_bitmap_(residual: torch.Tensor, t: float) -> tuple[torch.Tensor, int, float]:
-    x = residual.detach()
-    x = x.float() if x.dtype not in _KERNEL_DTYPES else x
-    half = t / 2
-    a = x.abs()
-    mag = a >= t
-    neg = x < 0
-    hneg = ~mag & neg & (a >= half)
-    sgn = (mag & neg) | hneg
-    step = torch.tensor(t, dtype=x.dtype, device=x.device)
-    delta = torch.where(mag, torch.where(neg, -step, step), torch.where(hneg, -step / 2, 0 * step))
-    moved = x - delta
-    residual.copy_(moved)
-    sent = int((mag | hneg).sum())
-    return _pack_codes(mag, sgn), sent, float(moved.double().square().sum())
-
-
-def _pack_codes(mag: torch.Tensor, sgn: torch.Tensor) -> torch.Tensor:
-    """The ``N//16 + 1`` int32 bitmap words of per-element magnitude and sign bits."""
-    n = mag.numel()
-    nwords = n // 16 + 1
-    codes = torch.zeros(nwords * 16, dtype=torch.int64, device=mag.device)
-    codes[:n] = mag.long() | (sgn.long() << 16)
-    shifts = torch.arange(16, device=mag.device, dtype=torch.int64)
-    words = (codes.view(nwords, 16) << shifts).sum(dim=1)
-    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
-
-
-# --------------------------------------------------------------------------- mean magnitude
-
-MAGNITUDES = ("threshold", "mean")
-"""What a message's header float holds: t, or the mean magnitude of the sent elements."""
-_NBINS = 280  # _kernels.NBINS, without importing numba
-
-
-def check_magnitude(magnitude: Any) -> bool:
-    """Return whether ``magnitude`` asks for the mean (``"mean"``), or raise ValueError."""
-    if magnitude not in MAGNITUDES:
-        raise ValueError(
-            f"Expect `magnitude` to be 'threshold' or 'mean', got {magnitude!r}: the header's "
-            "float is either t or the mean magnitude of the elements the message sends."
-        )
-    return bool(magnitude == "mean")
-
-
-def mean_magnitude(bins: np.ndarray, count: int) -> float:
-    """The float32 mean of ``count`` magnitudes given by their exponent ``bins``.
-
-    Each magnitude ``|x|`` is taken as a float32 (inf and values past the float32 range as
-    the largest float32); it equals ``q * 2**(e - 24)`` with ``(q, e) = frexp`` and
-    ``bins[e + 149]`` holds the int64 sum of its ``q``. So the sum is exact, in any order and
-    on any device; the mean is that sum divided by ``count``, rounded to float64 and then to
-    float32. Every magnitude is >= t, and so is the mean.
-    """
-    total = 0
-    for k in np.flatnonzero(bins).tolist():
-        total += int(bins[k]) << k
-    mean = total / (count << (149 + 24))  # exact int division, correctly rounded
-    return float(_F32.unpack(_F32.pack(min(mean, _F32_MAX)))[0])
-
-
-def _torch_bins(x: torch.Tensor) -> np.ndarray:
-    """The exponent bins of ``|x|`` (see :func:`mean_magnitude`), on any device."""
-    a = x.detach().abs().clamp(max=_F32_MAX).float()
-    mant, exp = torch.frexp(a)
-    q = (mant * 2.0**24).long()
-    bins = torch.zeros(_NBINS, dtype=torch.int64, device=x.device)
-    bins.index_add_(0, (exp + 149).long(), q)
-    return bins.cpu().numpy()
-
-
-def _workspace() -> Workspace:
-    ws = getattr(_local, "workspace", None)
-    if ws is None:
-        ws = _local.workspace = Workspace()
-    return ws
-
-
 # --------------------------------------------------------------------------- encode
-
-
-def check_boundary(boundary: int | None) -> None:
-    if boundary is not None and (isinstance(boundary, bool) or not isinstance(boundary, int)):
-        raise TypeError(f"Expect `boundary` to be an int or None, got {type(boundary).__name__}.")
-    if boundary is not None and boundary < 1:
-        raise ValueError(
-            f"Expect `boundary` >= 1 or None, got {boundary}: it caps the entries of a message."
-        )
 
 
 def encode_sparse_(
@@ -728,7 +299,7 @@ def encode_sparse_(
     t = float32_threshold(threshold)
     check_boundary(boundary)
     mean = check_magnitude(magnitude)
-    ws = _workspace()
+    ws = thread_workspace()
     if ws.scan_(residual, None, t) < 2:
         return None
     return ws.emit_(residual, boundary, mean=mean)
@@ -750,7 +321,7 @@ def encode_bitmap_(
     check_vector(residual, "residual")
     t = float32_threshold(threshold)
     mean = check_magnitude(magnitude)
-    return _workspace().bitmap_(residual, t, mean=mean)[0]
+    return thread_workspace().bitmap_(residual, t, mean=mean)[0]
 
 
 # --------------------------------------------------------------------------- decode
@@ -777,12 +348,12 @@ def _check_message(message: Any) -> list[int]:
 def _parse_header(header: list[int], length: int) -> tuple[int, int, float]:
     """Return (format, entries-or-N, t) after checking the header against the length."""
     first, numel, bits, fmt = header
-    if fmt not in _FORMAT_NAMES:
+    if fmt not in FORMAT_NAMES:
         raise MessageError(
             f"Unknown format id {fmt} in word 3: expect {FLEXIBLE_ENCODING} (sparse) "
             f"or {BITMAP_ENCODING} (bitmap)."
         )
-    t = float(_F32.unpack(_I32.pack(bits))[0])
+    t = bits_threshold(bits)
     if not (math.isfinite(t) and t > 0):
         raise MessageError(f"Expect a finite threshold > 0 in word 2, got {t!r} (bits {bits}).")
     if numel < 1:
@@ -830,21 +401,6 @@ def _fault_text(entries: Any, k: int, numel: int) -> str:
     )
 
 
-def _first_bad_sparse(entries: torch.Tensor, numel: int) -> int:
-    """Position of the first invalid sparse entry, or -1."""
-    if entries.numel() == 0:
-        return -1
-    if entries.device.type == "cpu":
-        bad = np.empty(_k().num_chunks(entries.numel()), np.int64)
-        _launch("first_bad_entry", entries.numpy(), numel, bad, small=entries.numel() < _SMALL)
-        hits = bad[bad >= 0]
-        return int(hits[0]) if hits.size else -1
-    a = entries.long().abs()
-    prev = torch.cat([a.new_zeros(1), a[:-1]])
-    faults = torch.nonzero((a == 0) | (a > numel) | (a <= prev))
-    return int(faults[0, 0]) if faults.numel() else -1
-
-
 def _check_bitmap_tail(words: torch.Tensor, numel: int) -> None:
     used = numel % 16
     last = int(words[-1]) & 0xFFFFFFFF
@@ -881,7 +437,7 @@ def _validate(message: Any, numel: int) -> tuple[int, float]:
         )
     payload = message[HEADER_WORDS:]
     if fmt == FLEXIBLE_ENCODING:
-        k = _first_bad_sparse(payload, numel)
+        k = _dispatch.first_bad_sparse(payload, numel)
         if k >= 0:
             raise MessageError("Invalid sparse message: " + _fault_text(payload, k, numel) + ".")
     else:
@@ -902,15 +458,7 @@ def decode_(message: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """
     check_vector(target, "target")
     check_no_overlap(message, target, "the message", "target")
-    if (
-        type(message) is torch.Tensor
-        and message.dtype == torch.int32
-        and message.is_cpu
-        and message.dim() == 1
-        and message.is_contiguous()
-        and _use_kernels(target)
-        and _k().decode_small(message.numpy(), _array(target)) == 0
-    ):  # a small sparse message, checked and added in one call
+    if _dispatch.decode_small(message, target):  # a small sparse message: checked and added
         return target
     if isinstance(message, torch.Tensor) and message.device != target.device:
         raise MessageError(
@@ -919,9 +467,9 @@ def decode_(message: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         )
     fmt, t = _validate(message, target.numel())
     if fmt == FLEXIBLE_ENCODING:
-        _apply_sparse(message[HEADER_WORDS:], t, target)
+        _dispatch.apply_sparse_(message[HEADER_WORDS:], t, target)
     else:
-        _apply_bitmap(message[HEADER_WORDS:], t, target)
+        _dispatch.apply_bitmap_(message[HEADER_WORDS:], t, target)
     return target
 
 
@@ -1012,7 +560,7 @@ def _sum_(
                     f"Message from {name} encodes N = {n} elements, but the target has "
                     f"{numel}: it was made for another vector."
                 )
-            present.append((m, fmt, float(_F32.unpack(_I32.pack(bits))[0])))
+            present.append((m, fmt, bits_threshold(bits)))
             continue
         check_no_overlap(m, target, f"the message from {name}", target_name)
         if scratch is not None:
@@ -1024,53 +572,8 @@ def _sum_(
         except MessageError as e:
             raise MessageError(f"Message from {name} is invalid: {e}") from None
         present.append((m, fmt, t))
-    if _use_kernels(target):
-        lengths = np.array([m.numel() for m, _, _ in present], np.int64)
-        starts = np.zeros(len(present), np.int64)
-        np.cumsum(lengths[:-1], out=starts[1:])
-        if len(present) == 1:
-            flat = present[0][0].numpy()
-        else:
-            flat = torch.cat([m for m, _, _ in present]).numpy() if present else _NO_WORDS
-        dtype = _array(target).dtype
-        ts = np.array([t for _, _, t in present], dtype)
-        exact = math.frexp(divisor)[0] == 0.5  # a power of two: 1/divisor is exact
-        if exact and (ts.size == 0 or ts.min() / divisor >= np.finfo(dtype).tiny):
-            ts, divisor = ts / dtype.type(divisor), 1  # the same rounding, and no divide pass
-        sparse = all(f == FLEXIBLE_ENCODING for _, f, _ in present)
-        _launch(
-            "decode_sum",
-            _array(target),
-            flat,
-            starts,
-            lengths,
-            np.array([f for _, f, _ in present], np.int64),
-            ts,
-            dtype.type(divisor),
-            exact,
-            scratch is not None,
-            _array(target if scratch is None else scratch),
-            small=scratch is not None and sparse and flat.size < _SMALL,  # O(entries) work
-        )
-        return target
-    buf = target if scratch is None else scratch
-    if scratch is None:
-        buf.zero_()
-    for m, fmt, t in present:
-        if fmt == FLEXIBLE_ENCODING:
-            _apply_sparse(m[HEADER_WORDS:], t, buf)
-        else:
-            _apply_bitmap(m[HEADER_WORDS:], t, buf)
-    if divisor != 1:
-        buf.div_(divisor)
-    if scratch is not None:
-        target.sub_(buf)
-        buf.zero_()
+    _dispatch.sum_(present, target, scratch, divisor)
     return target
-
-
-_F32_TINY = float(np.finfo(np.float32).tiny)
-_F32_MAX = float(np.finfo(np.float32).max)
 
 
 def _check_divisor(divisor: Any) -> None:
@@ -1080,47 +583,13 @@ def _check_divisor(divisor: Any) -> None:
     ok = isinstance(divisor, (int, float))
     if ok:
         try:
-            d = _F32.unpack(_F32.pack(divisor))[0]
+            d = F32.unpack(F32.pack(divisor))[0]
         except OverflowError:
             d = math.inf
-        ok = _F32_TINY <= d <= _F32_MAX
+        ok = F32_TINY <= d <= F32_MAX
     if not ok:
         raise ValueError(
             f"Expect `divisor` finite and > 0 as a normal float32 (between 1.2e-38 and "
             f"3.4e38), got {divisor!r}: the sum is divided by it in float32, where a smaller "
             "value rounds to 0 or has no finite reciprocal and a larger one rounds to inf."
         )
-
-
-def _apply_sparse(entries: torch.Tensor, t: float, target: torch.Tensor) -> None:
-    if entries.numel() == 0:
-        return
-    if _use_kernels(target):
-        _launch("decode_sparse", entries.numpy(), _scalar(t, target), target.detach().numpy())
-        return
-    e = entries.long()
-    idx = e.abs() - 1
-    cur = target[idx]
-    curf = cur.float() if cur.dtype not in _KERNEL_DTYPES else cur
-    target[idx] = torch.where(e > 0, curf + t, curf - t).to(target.dtype)
-
-
-def _apply_bitmap(words: torch.Tensor, t: float, target: torch.Tensor) -> None:
-    if _use_kernels(target):
-        _launch(
-            "decode_bitmap",
-            words.numpy().view(np.uint32),
-            _scalar(t, target),
-            target.detach().numpy(),
-        )
-        return
-    n = target.numel()
-    w = words.to(torch.int64) & 0xFFFFFFFF
-    bits = (w.unsqueeze(1) >> torch.arange(32, device=w.device)) & 1
-    mag = bits[:, :16].reshape(-1)[:n].bool()
-    sgn = bits[:, 16:].reshape(-1)[:n].bool()
-    cur = target.detach()
-    curf = cur.float() if cur.dtype not in _KERNEL_DTYPES else cur
-    step = torch.tensor(t, dtype=curf.dtype, device=curf.device)
-    vals = torch.where(mag, torch.where(sgn, -step, step), torch.where(sgn, -step / 2, 0 * step))
-    target.copy_((curf + vals).to(target.dtype))

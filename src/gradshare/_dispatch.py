@@ -1,0 +1,251 @@
+"""Which path runs a codec step, and how a kernel is called (private).
+
+A step runs as a fused numba kernel (:mod:`gradshare._kernels`) when its tensor is on the CPU
+in float32 or float64 and the kernels are on, else as vectorised torch ops
+(:mod:`gradshare._torch_paths`); both give the same results bit for bit.
+
+The kernels are on unless the environment variable ``GRADSHARE_KERNELS`` is ``0`` when
+gradshare is imported, or a :func:`use_kernels` block says otherwise. With them off nothing
+imports numba. A kernel call runs on numba's thread pool, sized by :mod:`gradshare.threads`,
+or as its serial twin for small work, inside :func:`serial_kernels`, or when this process's
+share of the machine is one thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import threading
+from collections.abc import Iterator, Sequence
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+import torch
+
+from gradshare import _torch_paths, threads
+from gradshare._format import FLEXIBLE_ENCODING
+
+ENV_VAR = "GRADSHARE_KERNELS"
+"""The environment variable that turns the kernels off for the process (``0``)."""
+KERNEL_DTYPES = (torch.float32, torch.float64)
+SMALL = 1 << 14
+"""Entries below which a kernel runs in the calling thread (``_kernels.SMALL``)."""
+NO_WORDS = np.zeros(0, np.int32)
+
+
+def _from_env() -> bool:
+    raw = os.environ.get(ENV_VAR, "").strip()
+    if raw not in ("", "0", "1"):
+        raise ValueError(
+            f"Expect {ENV_VAR} to be 0 (torch ops only) or 1 (the default), got {raw!r}: "
+            "unset it or fix it."
+        )
+    return raw != "0"
+
+
+_enabled = _from_env()
+"""Whether CPU float32/float64 steps run as kernels (read once from the environment)."""
+_local = threading.local()
+"""Per thread: the serial-kernels flag."""
+_kernels_module: ModuleType | None = None
+_kernel_lock = threading.Lock()
+"""Serialises parallel kernel calls: each already uses every core, and not every numba
+threading layer accepts launches from several threads at once."""
+
+
+@contextlib.contextmanager
+def use_kernels(enabled: bool) -> Iterator[None]:
+    """Run the codec's CPU steps as fused kernels (``True``) or as torch ops while in the block.
+
+    Process-wide, like ``GRADSHARE_KERNELS=0``: set it around work of this thread, not while
+    other threads encode or decode (their step could start on one path and end on the other).
+    Nested blocks restore the setting they found.
+    """
+    global _enabled
+    if not isinstance(enabled, bool):
+        raise TypeError(f"Expect `enabled` to be a bool, got {type(enabled).__name__}.")
+    saved = _enabled
+    _enabled = enabled
+    try:
+        yield
+    finally:
+        _enabled = saved
+
+
+def kernels_enabled() -> bool:
+    """Whether the kernels are on (the environment, or the innermost :func:`use_kernels`)."""
+    return _enabled
+
+
+def on_kernels(x: torch.Tensor) -> bool:
+    """Whether a step on ``x`` runs as a kernel."""
+    return _enabled and x.is_cpu and x.dtype in KERNEL_DTYPES
+
+
+def kernels() -> ModuleType:
+    """:mod:`gradshare._kernels`, imported (with numba) on first use."""
+    global _kernels_module
+    if _kernels_module is None:
+        from gradshare import _kernels
+
+        _kernels_module = _kernels
+    return _kernels_module
+
+
+@contextlib.contextmanager
+def serial_kernels() -> Iterator[None]:
+    """Run this thread's kernel calls single-threaded while in the block.
+
+    For code that is itself one of several worker threads (:class:`gradshare.ParallelWrapper`'s
+    workers): the workers then encode and decode at the same time, each on its own core,
+    instead of queueing for the kernels' thread pool, whose idle threads would spin against
+    the other workers.
+    """
+    saved = getattr(_local, "serial", False)
+    _local.serial = True
+    try:
+        yield
+    finally:
+        _local.serial = saved
+
+
+def launch(name: str, *args: Any, small: bool = False) -> Any:
+    """Call kernel ``name``: its serial twin for ``small`` work, in a :func:`serial_kernels`
+    block (waking the thread pool would cost more) or when this process's share of the machine
+    is one thread (:func:`gradshare.threads.kernel_threads`), else the parallel one."""
+    k = kernels()
+    if small or getattr(_local, "serial", False) or threads.kernel_threads() == 1:
+        return k.SERIAL[name](*args)
+    threads.parallel_threads()
+    with _kernel_lock:
+        return k.PARALLEL[name](*args)
+
+
+def array(x: torch.Tensor) -> np.ndarray:
+    """The numpy view of a CPU tensor (no copy)."""
+    return (x.detach() if x.requires_grad else x).numpy()
+
+
+def scalar(t: float, x: torch.Tensor) -> Any:
+    """t as a numpy scalar of ``x``'s type."""
+    return np.float32(t) if x.dtype == torch.float32 else np.float64(t)
+
+
+# --------------------------------------------------------------------------- updates
+
+
+def count_nonfinite(x: torch.Tensor) -> int:
+    """The number of non-finite elements of a 1-D tensor."""
+    if on_kernels(x):
+        counts = np.zeros(kernels().num_chunks(x.numel()), np.int64)
+        launch("count_nonfinite", x.detach().numpy(), counts)
+        return int(counts.sum())
+    return _torch_paths.count_nonfinite(x)
+
+
+def take_update_(
+    before: torch.Tensor, after: torch.Tensor, out: torch.Tensor, restore: bool
+) -> int:
+    """``out = before - after`` (and ``after = before`` with ``restore``); non-finite count."""
+    if on_kernels(before) and before.numel():
+        counts = np.zeros(kernels().num_chunks(before.numel()), np.int64)
+        launch("take_update", array(before), array(after), array(out), restore, counts)
+        return int(counts.sum())
+    return _torch_paths.take_update_(before, after, out, restore)
+
+
+# --------------------------------------------------------------------------- decode
+
+
+def first_bad_sparse(entries: torch.Tensor, numel: int) -> int:
+    """Position of the first invalid sparse entry, or -1."""
+    if entries.numel() == 0:
+        return -1
+    if _enabled and entries.device.type == "cpu":
+        bad = np.empty(kernels().num_chunks(entries.numel()), np.int64)
+        launch("first_bad_entry", entries.numpy(), numel, bad, small=entries.numel() < SMALL)
+        hits = bad[bad >= 0]
+        return int(hits[0]) if hits.size else -1
+    return _torch_paths.first_bad_sparse(entries, numel)
+
+
+def decode_small(message: Any, target: torch.Tensor) -> bool:
+    """Check and add a small sparse ``message`` in one kernel call; whether it was added.
+
+    False (nothing written) when it is no such message, or is invalid: the full checks then
+    name the fault.
+    """
+    return (
+        type(message) is torch.Tensor
+        and message.dtype == torch.int32
+        and message.is_cpu
+        and message.dim() == 1
+        and message.is_contiguous()
+        and on_kernels(target)
+        and kernels().decode_small(message.numpy(), array(target)) == 0
+    )
+
+
+def apply_sparse_(entries: torch.Tensor, t: float, target: torch.Tensor) -> None:
+    """``target[|e|-1] += sign(e) * t`` for every (validated) entry."""
+    if entries.numel() == 0:
+        return
+    if on_kernels(target):
+        launch("decode_sparse", entries.numpy(), scalar(t, target), target.detach().numpy())
+        return
+    _torch_paths.apply_sparse_(entries, t, target)
+
+
+def apply_bitmap_(words: torch.Tensor, t: float, target: torch.Tensor) -> None:
+    """Add the decoded (validated) bitmap ``words`` into ``target``."""
+    if on_kernels(target):
+        launch(
+            "decode_bitmap",
+            words.numpy().view(np.uint32),
+            scalar(t, target),
+            target.detach().numpy(),
+        )
+        return
+    _torch_paths.apply_bitmap_(words, t, target)
+
+
+def sum_(
+    present: Sequence[tuple[torch.Tensor, int, float]],
+    target: torch.Tensor,
+    scratch: torch.Tensor | None,
+    divisor: float,
+) -> None:
+    """Decode the validated ``(message, format, t)`` into ``target`` (overwritten by their sum
+    divided by ``divisor``), or with ``scratch`` (zeros, left zeros) subtract that from it."""
+    if not on_kernels(target):
+        _torch_paths.sum_(present, target, scratch, divisor)
+        return
+    lengths = np.array([m.numel() for m, _, _ in present], np.int64)
+    starts = np.zeros(len(present), np.int64)
+    np.cumsum(lengths[:-1], out=starts[1:])
+    if len(present) == 1:
+        flat = present[0][0].numpy()
+    else:
+        flat = torch.cat([m for m, _, _ in present]).numpy() if present else NO_WORDS
+    dtype = array(target).dtype
+    ts = np.array([t for _, _, t in present], dtype)
+    exact = math.frexp(divisor)[0] == 0.5  # a power of two: 1/divisor is exact
+    if exact and (ts.size == 0 or ts.min() / divisor >= np.finfo(dtype).tiny):
+        ts, divisor = ts / dtype.type(divisor), 1  # the same rounding, and no divide pass
+    sparse = all(f == FLEXIBLE_ENCODING for _, f, _ in present)
+    launch(
+        "decode_sum",
+        array(target),
+        flat,
+        starts,
+        lengths,
+        np.array([f for _, f, _ in present], np.int64),
+        ts,
+        dtype.type(divisor),
+        exact,
+        scratch is not None,
+        array(target if scratch is None else scratch),
+        small=scratch is not None and sparse and flat.size < SMALL,  # O(entries) work
+    )

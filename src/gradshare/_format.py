@@ -1,0 +1,80 @@
+"""The wire format's layout (private): format ids, header words, lengths, the float32 in word 2.
+
+:mod:`gradshare.codec` re-exports the public names; they live here so that the layers below the
+codec (:mod:`gradshare._workspace`, :mod:`gradshare._dispatch`, :mod:`gradshare._torch_paths`)
+can build headers without importing it. See the codec's docstring and docs/design.md §1.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import torch
+
+FLEXIBLE_ENCODING = 0
+"""Format id of a sparse message (signed 1-based indices)."""
+BITMAP_ENCODING = 1
+"""Format id of a bitmap message (2 bits per element)."""
+HEADER_WORDS = 4
+MAX_NUMEL = 2**31 - 1
+"""Largest N a message can address: indices are signed int32 ``±(i+1)``."""
+FORMAT_NAMES = {FLEXIBLE_ENCODING: "sparse", BITMAP_ENCODING: "bitmap"}
+
+F32 = struct.Struct("<f")
+I32 = struct.Struct("<i")
+F32_TINY = float(np.finfo(np.float32).tiny)
+F32_MAX = float(np.finfo(np.float32).max)
+
+
+def sparse_length(num_entries: int) -> int:
+    """Words in a sparse message of ``num_entries`` entries: K + 4."""
+    return num_entries + HEADER_WORDS
+
+
+def bitmap_length(numel: int) -> int:
+    """Words in a bitmap message for N elements: N//16 + 5."""
+    return numel // 16 + 1 + HEADER_WORDS
+
+
+def threshold_bits(t: float) -> int:
+    """The int32 reading of ``t``'s float32 bits (t already float32-representable)."""
+    return int(I32.unpack(F32.pack(t))[0])
+
+
+def bits_threshold(bits: int) -> float:
+    """The float32 that the int32 ``bits`` of word 2 hold."""
+    return float(F32.unpack(I32.pack(bits))[0])
+
+
+def write_header(message: torch.Tensor, first: int, numel: int, t: float, fmt: int) -> None:
+    """Write the 4 header words ``[first, numel, bits of t, fmt]`` into ``message``."""
+    header = (first, numel, threshold_bits(t), fmt)
+    if message.device.type == "cpu":
+        message.numpy()[:HEADER_WORDS] = header
+    else:
+        message[:HEADER_WORDS] = torch.tensor(header, dtype=torch.int32)
+
+
+# --------------------------------------------------------------------------- mean magnitude
+
+MAGNITUDES = ("threshold", "mean")
+"""What a message's header float holds: t, or the mean magnitude of the sent elements."""
+NBINS = 280
+"""Exponent bins of :func:`mean_magnitude` (``_kernels.NBINS``, without importing numba)."""
+
+
+def mean_magnitude(bins: np.ndarray, count: int) -> float:
+    """The float32 mean of ``count`` magnitudes given by their exponent ``bins``.
+
+    Each magnitude ``|x|`` is taken as a float32 (inf and values past the float32 range as
+    the largest float32); it equals ``q * 2**(e - 24)`` with ``(q, e) = frexp`` and
+    ``bins[e + 149]`` holds the int64 sum of its ``q``. So the sum is exact, in any order and
+    on any device; the mean is that sum divided by ``count``, rounded to float64 and then to
+    float32. Every magnitude is >= t, and so is the mean.
+    """
+    total = 0
+    for k in np.flatnonzero(bins).tolist():
+        total += int(bins[k]) << k
+    mean = total / (count << (149 + 24))  # exact int division, correctly rounded
+    return float(F32.unpack(F32.pack(min(mean, F32_MAX)))[0])

@@ -1,0 +1,204 @@
+"""The codec's steps as vectorised torch ops (private): the CUDA path and the fallback.
+
+Every function here computes what its fused kernel in :mod:`gradshare._kernels` computes, with
+the same IEEE operations per element, so the two paths agree bit for bit (tests/test_kernels.py
+checks it). :mod:`gradshare._dispatch` and :mod:`gradshare._workspace` choose between them:
+CUDA tensors, float16 and bfloat16 always come here, and so does everything while
+:func:`gradshare.codec.use_kernels` is off. float16 and bfloat16 values are computed in float32
+and rounded back. Nothing here imports numba.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from gradshare._format import (
+    BITMAP_ENCODING,
+    F32_MAX,
+    FLEXIBLE_ENCODING,
+    HEADER_WORDS,
+    NBINS,
+    mean_magnitude,
+    write_header,
+)
+
+_NATIVE = (torch.float32, torch.float64)
+"""Dtypes computed in their own type; the others are computed in float32."""
+
+
+def _wide(x: torch.Tensor) -> torch.Tensor:
+    return x.float() if x.dtype not in _NATIVE else x
+
+
+def magnitude_bins(x: torch.Tensor) -> np.ndarray:
+    """The exponent bins of ``|x|`` (see :func:`gradshare.codec.mean_magnitude`), any device."""
+    a = x.detach().abs().clamp(max=F32_MAX).float()
+    mant, exp = torch.frexp(a)
+    q = (mant * 2.0**24).long()
+    bins = torch.zeros(NBINS, dtype=torch.int64, device=x.device)
+    bins.index_add_(0, (exp + 149).long(), q)
+    return bins.cpu().numpy()
+
+
+def pack_codes(mag: torch.Tensor, sgn: torch.Tensor) -> torch.Tensor:
+    """The ``N//16 + 1`` int32 bitmap words of per-element magnitude and sign bits."""
+    n = mag.numel()
+    nwords = n // 16 + 1
+    codes = torch.zeros(nwords * 16, dtype=torch.int64, device=mag.device)
+    codes[:n] = mag.long() | (sgn.long() << 16)
+    shifts = torch.arange(16, device=mag.device, dtype=torch.int64)
+    words = (codes.view(nwords, 16) << shifts).sum(dim=1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+# --------------------------------------------------------------------------- updates
+
+
+def count_nonfinite(x: torch.Tensor) -> int:
+    return int((~torch.isfinite(x)).sum())
+
+
+def take_update_(
+    before: torch.Tensor, after: torch.Tensor, out: torch.Tensor, restore: bool
+) -> int:
+    """``out = before - after`` (and ``after = before`` with ``restore``); non-finite count."""
+    torch.sub(before, after, out=out)
+    if restore:
+        after.copy_(before)
+    return count_nonfinite(out)
+
+
+# --------------------------------------------------------------------------- encode
+
+
+def scan_(
+    residual: torch.Tensor, update: torch.Tensor | None, t: float
+) -> tuple[torch.Tensor, float]:
+    """``residual += update`` (if given); (indices with ``|x| >= t``, ``sum(x*x)``)."""
+    if update is not None:
+        residual.add_(update)
+    x = _wide(residual.detach())
+    idx = torch.nonzero(x.abs() >= t).view(-1)
+    return idx, float(x.double().square().sum())
+
+
+def emit_(
+    residual: torch.Tensor, idx: torch.Tensor, take: int, t: float, mean: bool
+) -> tuple[torch.Tensor, float, float]:
+    """Sparse-encode the first ``take`` of the scanned ``idx``; (message, value, change of sumsq).
+
+    Each sent element moves by the value the header carries: t, or with ``mean`` the mean
+    magnitude of the sent elements.
+    """
+    n = residual.numel()
+    message = torch.empty(take + HEADER_WORDS, dtype=torch.int32, device=residual.device)
+    idx = idx[:take]
+    xf = _wide(residual[idx])
+    value = mean_magnitude(magnitude_bins(xf), take) if mean else t
+    write_header(message, take, n, value, FLEXIBLE_ENCODING)
+    pos = xf >= t
+    moved = torch.where(pos, xf - value, xf + value)
+    residual[idx] = moved.to(residual.dtype)
+    message[HEADER_WORDS:] = torch.where(pos, idx + 1, -(idx + 1)).to(torch.int32)
+    return message, value, float(moved.double().square().sum() - xf.double().square().sum())
+
+
+def bitmap_(
+    residual: torch.Tensor, t: float, update: torch.Tensor | None, message: torch.Tensor
+) -> tuple[int, float]:
+    """``residual += update`` (if given), bitmap-encode it into ``message``; (sent, sumsq)."""
+    n = residual.numel()
+    write_header(message, n, n, t, BITMAP_ENCODING)
+    if update is not None:
+        residual.add_(update)
+    x = _wide(residual.detach())
+    half = t / 2
+    a = x.abs()
+    mag = a >= t
+    neg = x < 0
+    hneg = ~mag & neg & (a >= half)
+    sgn = (mag & neg) | hneg
+    step = torch.tensor(t, dtype=x.dtype, device=x.device)
+    delta = torch.where(mag, torch.where(neg, -step, step), torch.where(hneg, -step / 2, 0 * step))
+    moved = x - delta
+    residual.copy_(moved)
+    message[HEADER_WORDS:] = pack_codes(mag, sgn)
+    return int((mag | hneg).sum()), float(moved.double().square().sum())
+
+
+def bitmap_mean_(
+    residual: torch.Tensor, t: float, update: torch.Tensor | None, message: torch.Tensor
+) -> tuple[int, float, float]:
+    """:func:`bitmap_` sending the mean magnitude m, no half steps; (sent, m, sumsq)."""
+    n = residual.numel()
+    if update is not None:
+        residual.add_(update)
+    x = _wide(residual.detach())
+    mag = x.abs() >= t
+    hits = int(mag.sum())
+    m = mean_magnitude(magnitude_bins(x[mag]), hits) if hits else t
+    write_header(message, n, n, m, BITMAP_ENCODING)
+    step = torch.tensor(m, dtype=x.dtype, device=x.device)
+    neg = mag & (x < 0)
+    moved = x - torch.where(mag, torch.where(neg, -step, step), 0 * step)
+    residual.copy_(moved)
+    message[HEADER_WORDS:] = pack_codes(mag, neg)
+    return hits, m, float(moved.double().square().sum())
+
+
+# --------------------------------------------------------------------------- decode
+
+
+def first_bad_sparse(entries: torch.Tensor, numel: int) -> int:
+    """Position of the first sparse entry that is 0, outside ±1..±N or not ascending, or -1."""
+    a = entries.long().abs()
+    prev = torch.cat([a.new_zeros(1), a[:-1]])
+    faults = torch.nonzero((a == 0) | (a > numel) | (a <= prev))
+    return int(faults[0, 0]) if faults.numel() else -1
+
+
+def apply_sparse_(entries: torch.Tensor, t: float, target: torch.Tensor) -> None:
+    """``target[|e|-1] += sign(e) * t`` for every (validated) entry."""
+    e = entries.long()
+    idx = e.abs() - 1
+    curf = _wide(target[idx])
+    target[idx] = torch.where(e > 0, curf + t, curf - t).to(target.dtype)
+
+
+def apply_bitmap_(words: torch.Tensor, t: float, target: torch.Tensor) -> None:
+    """Add the decoded (validated) bitmap ``words`` into ``target``."""
+    n = target.numel()
+    w = words.to(torch.int64) & 0xFFFFFFFF
+    bits = (w.unsqueeze(1) >> torch.arange(32, device=w.device)) & 1
+    mag = bits[:, :16].reshape(-1)[:n].bool()
+    sgn = bits[:, 16:].reshape(-1)[:n].bool()
+    curf = _wide(target.detach())
+    step = torch.tensor(t, dtype=curf.dtype, device=curf.device)
+    vals = torch.where(mag, torch.where(sgn, -step, step), torch.where(sgn, -step / 2, 0 * step))
+    target.copy_((curf + vals).to(target.dtype))
+
+
+def sum_(
+    present: Sequence[tuple[torch.Tensor, int, float]],
+    target: torch.Tensor,
+    scratch: torch.Tensor | None,
+    divisor: float,
+) -> None:
+    """Decode the validated ``(message, format, t)`` in order into a zeroed buffer, divide it,
+    and either leave it in ``target`` or (with ``scratch`` as the buffer) subtract it."""
+    buf = target if scratch is None else scratch
+    if scratch is None:
+        buf.zero_()
+    for m, fmt, t in present:
+        if fmt == FLEXIBLE_ENCODING:
+            apply_sparse_(m[HEADER_WORDS:], t, buf)
+        else:
+            apply_bitmap_(m[HEADER_WORDS:], t, buf)
+    if divisor != 1:
+        buf.div_(divisor)
+    if scratch is not None:
+        target.sub_(buf)
+        buf.zero_()

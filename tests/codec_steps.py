@@ -1,0 +1,46 @@
+"""Every codec step once, on the path in force: for comparing the kernels with the torch ops
+across processes (``GRADSHARE_KERNELS=0`` is read at import)."""
+
+from __future__ import annotations
+
+import torch
+
+from gradshare import codec
+
+
+def run_steps() -> list[torch.Tensor]:
+    """Messages, residuals and sums of sparse, bounded, bitmap and mean-magnitude encodes,
+    decodes small and large, fused sums, validation, take_update_ and find_nonfinite."""
+    out: list[torch.Tensor] = []
+    for dtype in (torch.float32, torch.float64):
+        g = torch.Generator().manual_seed(0)
+        x = (torch.randn(3 * 65536 + 77, generator=g) * 1e-3).to(dtype)
+        x[65536 : 65536 + 30000] *= 40
+        messages = []
+        for encode in (
+            lambda r: codec.encode_sparse_(r, 1e-3),
+            lambda r: codec.encode_sparse_(r, 1e-3, 5000),
+            lambda r: codec.encode_bitmap_(r, 1e-3),
+            lambda r: codec.encode_sparse_(r, 1e-3, magnitude="mean"),
+            lambda r: codec.encode_bitmap_(r, 1e-3, magnitude="mean"),
+        ):
+            r = x.clone()
+            m = encode(r)
+            assert m is not None
+            messages.append(m)
+            out += [m, r]
+        small = codec.encode_sparse_(x[:1000].clone(), 1e-3)
+        assert small is not None
+        for m in (small, messages[0], messages[2]):  # small sparse, large sparse, bitmap
+            codec.check_message(m, m[1].item())
+            out.append(codec.decode_(m, torch.ones(int(m[1]), dtype=dtype)))
+        total = torch.empty_like(x)
+        codec.decode_sum_([messages[0], None, messages[2]], total, divisor=3)
+        params = x.clone() + 1
+        codec.subtract_sum_(messages[:2], params, torch.zeros_like(x), divisor=4)
+        update = torch.empty_like(x)
+        codec.take_update_(x + 1, x, update)
+        y = x.clone()
+        y[[7, 70000]] = float("nan")
+        out += [total, params, update, torch.tensor(codec.find_nonfinite(y))]
+    return out
