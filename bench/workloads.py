@@ -223,6 +223,30 @@ def _ddp(bytes_per_element: int, hook: Callable | None = None) -> Callable[..., 
     return wrap
 
 
+def _dense_lr(factor: int) -> Callable[..., Setup]:
+    """Dense DDP with the learning rate times ``factor``: what summing (not averaging) the
+    ranks' updates amounts to, for a plain or momentum SGD."""
+
+    def wrap(model: nn.Module, opt: torch.optim.Optimizer) -> Setup:
+        for group in opt.param_groups:
+            group["lr"] *= factor
+        return _ddp(4)(model, opt)
+
+    return wrap
+
+
+def _exact(reduction: str) -> Callable[..., Setup]:
+    """``SharedOptimizer(opt, dense=True)``: the updates shared exactly (the encoding's oracle)."""
+
+    def wrap(model: nn.Module, opt: torch.optim.Optimizer) -> Setup:
+        import gradshare
+
+        shared = gradshare.SharedOptimizer(opt, dense=True, reduction=reduction)  # type: ignore[arg-type]
+        return Setup(model, shared, lambda steps: float(shared.bytes_sent))
+
+    return wrap
+
+
 def _powersgd(rank: int) -> Callable[..., Setup]:
     def wrap(model: nn.Module, opt: torch.optim.Optimizer) -> Setup:
         net = DDP(model, bucket_cap_mb=4096)  # one bucket
@@ -290,6 +314,9 @@ WARMUP = 50
 METHODS: dict[str, Callable[[nn.Module, torch.optim.Optimizer], Setup]] = {
     "dense": _ddp(4),
     "fp16": _ddp(2, default_hooks.fp16_compress_hook),
+    "dense-2lr": _dense_lr(2),
+    "shared-exact-sum": _exact("sum"),
+    "shared-exact-mean": _exact("mean"),
     "powersgd-1": _powersgd(1),
     "powersgd-4": _powersgd(4),
     "hook": _hook(),
