@@ -29,9 +29,14 @@ its default threshold, ``QuantileThreshold(0.01)``, ``(0.003)``), ``hook-dgc`` (
 with DGC momentum correction, ``momentum=`` taken from the SGD, which is rebuilt without it;
 momentum-SGD workloads only), ``shared`` / ``shared-1%`` / ``shared-0.3%``
 (``gradshare.SharedOptimizer`` likewise), ``shared-ddp`` (``SharedOptimizer(opt, ddp=net)``
-on a DDP model), and at 1% the two studied options: ``-mean-1%`` (``magnitude="mean"``: each
-entry carries the mean magnitude of what is sent) and ``-warmup-1%``
-(``QuantileThreshold(0.01, warmup=50)``: density from 25% down to 1% over 50 steps).
+on a DDP model: the ranks' updates averaged, where ``shared`` sums them as DL4J does; also
+``-1%``, ``-mean-1%``, ``-warmup-1%``), and at 1% the studied options: ``-mean-1%``
+(``magnitude="mean"``: each entry carries the mean magnitude of what is sent), ``-warmup-1%``
+(``QuantileThreshold(0.01, warmup=50)``: density from 25% down to 1% over 50 steps),
+``hook-dgc-mean`` and ``hook-dgc-0.7%``. Controls: ``dense-2lr`` (DDP at twice the learning
+rate: what summing two ranks' updates amounts to) and ``shared-exact-sum`` / ``-mean``
+(``SharedOptimizer(dense=True)``: the updates shared exactly, the encoding's oracle).
+``--update`` merges the methods run into an existing ``--out`` (same seeds and steps).
 
 Bytes are those one rank sent in a run: gradshare's own count (``bytes_sent``), 4 (fp16: 2) per
 element and step for DDP, PowerSGD's P and Q from the shapes after 2 dense steps. ``density``
@@ -42,8 +47,8 @@ workload, bench/results/workloads_<name>.png.
 Runtime, one run (one method, one seed) at the default steps, on 2 cores shared with other
 jobs (load ~9): gpt 33-42 s, cnn 7-12 s, digits ~1 s (methods within ~1.3x of each other; the
 first gradshare run of a fresh checkout adds ~5 s of numba compilation). The full grid (3
-seeds; 15 methods on gpt and digits, 16 on cnn) is about 140 runs: 20 minutes on quiet cores,
-45 on loaded ones.
+seeds, 21-24 methods a workload) is about 200 runs: about 30 minutes on quiet cores, over an
+hour on loaded ones.
 """
 
 from __future__ import annotations
