@@ -2,8 +2,9 @@
 
 * ``gradshare train``: the same model trained dense and with gradshare, side by side, with a
   table, metrics.csv, summary.json and report.png;
-* ``gradshare bench codec|parallel|exchange|launch|convergence``: the benchmarks under ``bench/`` of
-  the checkout that gradshare runs from (they do not ship in a wheel);
+* ``gradshare bench codec|parallel|exchange|launch|convergence|workloads|multinode``: the
+  benchmarks under ``bench/`` of the checkout that gradshare runs from (they do not ship in a
+  wheel);
 * ``gradshare inspect``: what the encoder sends for a synthetic update stream, step by step.
 """
 
@@ -127,7 +128,7 @@ def _check_writable(out: Path) -> None:
         raise UsageError(f"cannot write to --out {out}: {e.strerror or e}") from None
 
 
-BENCHES = ("codec", "parallel", "exchange", "launch", "convergence")
+BENCHES = ("codec", "parallel", "exchange", "launch", "convergence", "workloads", "multinode")
 
 
 def _checkout_root() -> Path:
