@@ -32,6 +32,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from gradshare import codec, threads
 from gradshare._checks import check_int
+from gradshare._flat import slices
 from gradshare.accumulator import to_seconds
 from gradshare.encoder import Encoder
 from gradshare.exchange import (
@@ -514,11 +515,9 @@ def _encoded_exchange(
         )  # fmt: skip
         names = rank_names(world)
         pieces = [_split(m, params, name) for m, name in zip(messages, names, strict=True)]
-        offset = 0
-        for i, (_, n) in enumerate(params):
-            codec.decode_sum_([p[i] for p in pieces], total[offset : offset + n],
-                              divisor=world, names=names, checked=True)  # fmt: skip
-            offset += n
+        for i, target in enumerate(slices(total, (n for _, n in params))):
+            codec.decode_sum_([p[i] for p in pieces], target, divisor=world, names=names,
+                              checked=True)  # fmt: skip
     except BaseException:  # this rank's messages go back: nothing of them is lost
         for (place, _), (message, _) in zip(params, sent, strict=False):
             if message is not None:
@@ -545,10 +544,8 @@ def _encode_bucket(
     if bad:
         raise _nonfinite_error(grad, params, bad, first)
     m = state.momentum
-    offset = 0
-    for (place, n), enc in zip(params, encoders, strict=True):
-        g = grad[offset : offset + n]
-        offset += n
+    slices_of_grad = slices(grad, (n for _, n in params))
+    for (place, _), enc, g in zip(params, encoders, slices_of_grad, strict=True):
         if m:
             u = state.velocities.get(place)
             u = g.to(torch.float32, copy=True) if u is None else u.mul(m).add_(g)
