@@ -92,7 +92,7 @@ def inspect(args: argparse.Namespace) -> None:
 def train_command(args: argparse.Namespace) -> None:
     """Train dense, then with gradshare; print the table; write the files."""
     try:
-        config = train.TrainConfig(**{name: getattr(args, name) for name in _config_options()})
+        config = train.TrainConfig(**{name: getattr(args, name) for name in _option_names()})
     except ValueError as e:
         raise UsageError(str(e)) from None
     out = args.out or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
@@ -166,14 +166,21 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
+def _option_names() -> list[str]:
+    """The fields of :class:`gradshare.train.TrainConfig` that are command-line options (all
+    but ``runs``: the command runs both)."""
+    return [f.name for f in dataclasses.fields(train.TrainConfig) if f.name != "runs"]
+
+
 def _config_options() -> dict[str, dict[str, Any]]:
     """``add_argument`` keywords for each option field of :class:`gradshare.train.TrainConfig`:
     its default, its type (a ``Literal``'s values as choices) and its docstring as help."""
     hints = typing.get_type_hints(train.TrainConfig)
     docs = _field_docs(train.TrainConfig)
+    names = _option_names()
     options = {}
     for f in dataclasses.fields(train.TrainConfig):
-        if f.name == "runs":
+        if f.name not in names:
             continue
         kind = hints[f.name]
         shown = "" if f.default is None else " (default: %(default)s)"
