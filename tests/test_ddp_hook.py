@@ -86,6 +86,21 @@ def _train(model: DDP, opt: torch.optim.Optimizer, batches: list) -> None:
         opt.step()
 
 
+def _resumed(model, opt, state, make):  # type: ignore[no-untyped-def]
+    """A fresh ``make()`` (model, optimizer, hook state) restored from a checkpoint of
+    ``model``, ``opt`` and ``state`` saved through a buffer; returns its model and optimizer."""
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(),
+                "hook": state.state_dict()}, buf)  # fmt: skip
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=False)
+    resumed, resumed_opt, resumed_state = make()
+    resumed.load_state_dict(saved["model"])
+    resumed_opt.load_state_dict(saved["opt"])
+    resumed_state.load_state_dict(saved["hook"])
+    return resumed, resumed_opt
+
+
 def _rank_checkpoint(rank: int, world: int) -> bool:
     batches = toy_batches(12 * world)[rank::world]
 
@@ -104,15 +119,7 @@ def _rank_checkpoint(rank: int, world: int) -> bool:
     assert unpickled.iteration == first_state.iteration and unpickled._first_pass
     for i, enc in first_state.encoders.items():
         assert torch.equal(unpickled.encoders[i].residual, enc.residual)
-    buf = io.BytesIO()
-    torch.save({"model": first.state_dict(), "opt": first_opt.state_dict(),
-                "hook": first_state.state_dict()}, buf)  # fmt: skip
-    buf.seek(0)
-    saved = torch.load(buf, weights_only=False)
-    resumed, resumed_opt, resumed_state = make()
-    resumed.load_state_dict(saved["model"])
-    resumed_opt.load_state_dict(saved["opt"])
-    resumed_state.load_state_dict(saved["hook"])
+    resumed, resumed_opt = _resumed(first, first_opt, first_state, make)
     _train(resumed, resumed_opt, batches[6:])
     return all(
         torch.equal(a, b) for a, b in zip(whole.parameters(), resumed.parameters(), strict=True)
@@ -251,16 +258,8 @@ def _rank_resume_several_buckets(rank: int, world: int, steps: int) -> list[bool
         _train(whole, whole_opt, batches)
         first, first_opt, first_state = make()
         _train(first, first_opt, batches[: steps // 2])
-        buf = io.BytesIO()
-        torch.save({"model": first.state_dict(), "opt": first_opt.state_dict(),
-                    "hook": first_state.state_dict()}, buf)  # fmt: skip
+        resumed, resumed_opt = _resumed(first, first_opt, first_state, make)
         del first, first_opt, first_state
-        buf.seek(0)
-        saved = torch.load(buf, weights_only=False)
-        resumed, resumed_opt, resumed_state = make()
-        resumed.load_state_dict(saved["model"])
-        resumed_opt.load_state_dict(saved["opt"])
-        resumed_state.load_state_dict(saved["hook"])
         _train(resumed, resumed_opt, batches[steps // 2 :])
         same.append(torch.equal(_flat(whole), _flat(resumed)))
     return same
