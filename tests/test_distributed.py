@@ -456,23 +456,30 @@ def test_destroy_process_group_stops_gloo_threads() -> None:
     assert done.stdout.strip() == "[]"
 
 
-@pytest.mark.parametrize("mode", ["shared", "hook"])
-def test_rank_exits_promptly_after_a_timed_out_exchange(mode: str) -> None:
-    """`work.wait(timeout)` left the gloo operation running, so a rank that got the
-    ExchangeError could not exit (not even after destroy_process_group) until gloo's own
-    timeout, 30 minutes with a plain init_process_group. It must leave within seconds."""
+def _launch_two_ranks(script: str, *args: str) -> list[subprocess.Popen]:
+    """Start ranks 0 and 1 of ``tests/<script>`` the way torchrun would (env:// on a free
+    port of 127.0.0.1), with OMP_NUM_THREADS=1 as torchrun sets it."""
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    script = str(Path(__file__).resolve().parent / "fault_exit.py")
+    path = str(Path(__file__).resolve().parent / script)
     procs = []
     for rank in (0, 1):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
                "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}  # fmt: skip
-        procs.append(subprocess.Popen([sys.executable, script, mode], env=env, text=True,
+        procs.append(subprocess.Popen([sys.executable, path, *args], env=env, text=True,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE))  # fmt: skip
+    return procs
+
+
+@pytest.mark.parametrize("mode", ["shared", "hook"])
+def test_rank_exits_promptly_after_a_timed_out_exchange(mode: str) -> None:
+    """`work.wait(timeout)` left the gloo operation running, so a rank that got the
+    ExchangeError could not exit (not even after destroy_process_group) until gloo's own
+    timeout, 30 minutes with a plain init_process_group. It must leave within seconds."""
+    procs = _launch_two_ranks("fault_exit.py", mode)
     try:
         out, err = procs[0].communicate(timeout=90)
         assert "raised" in out, err[-3000:]
@@ -480,6 +487,31 @@ def test_rank_exits_promptly_after_a_timed_out_exchange(mode: str) -> None:
         left = float(out.split("leaving ")[1].split()[0])
         assert procs[0].returncode == 0, err[-3000:]
         assert time.monotonic() - left < 20  # the process ended soon after it decided to leave
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="needs Linux scheduling classes")
+@pytest.mark.parametrize("mode", ["shared", "hook"])
+def test_rank_exits_cleanly_right_after_its_last_exchange(mode: str) -> None:
+    """Guards the SIGABRT at exit ("terminate called without an active exception") of a rank
+    that leaves without destroy_process_group. gloo's worker thread drops a finished work
+    some time after the operation ends; dropping a tensor that Python also refers to takes
+    the GIL, and once the interpreter is finalising, CPython ends that thread with
+    pthread_exit, which aborts inside torch's noexcept destructor. On a loaded machine the
+    worker ran late and the process aborted, most often on a rank that left through an error.
+    Here the load is deterministic (exit_busy.py: one CPU, gloo's threads in the idle class,
+    C code holding the GIL before the exit): both ranks aborted every time with
+    SharedOptimizer. gradshare now waits at exit until the backend has dropped its works."""
+    procs = _launch_two_ranks("exit_busy.py", mode)
+    try:
+        for rank, p in enumerate(procs):
+            out, err = p.communicate(timeout=120)
+            assert "trained" in out, err[-3000:]
+            assert "terminate called" not in err, err[-3000:]
+            assert p.returncode == 0, f"rank {rank} exited {p.returncode}: {err[-3000:]}"
     finally:
         for p in procs:
             p.kill()

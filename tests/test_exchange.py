@@ -1,13 +1,19 @@
-"""The exchange's pieces that need no process group: the ordered pipeline, the size cap."""
+"""The exchange's pieces: the ordered pipeline, the size cap, the watch on in-flight works."""
 
 from __future__ import annotations
 
 import threading
+import time
+from datetime import timedelta
 
 import pytest
+import torch
+import torch.distributed as dist
 
-from gradshare import codec
-from gradshare.exchange import Pipeline, largest_message
+from gradshare import _inflight, codec
+from gradshare.exchange import Pipeline, collective, largest_message
+
+from world import spawn
 
 
 class TestPipeline:
@@ -62,3 +68,36 @@ def test_largest_message_is_the_longest_valid_one() -> None:
         assert largest_message(n) == max(n + 4, n // 16 + 5)
         assert largest_message(n) >= codec.bitmap_length(n)
         assert largest_message(n) >= codec.sparse_length(n)
+
+
+def _rank_watch(rank: int, world: int) -> dict:
+    if rank == 1:
+        time.sleep(1.5)  # rank 0's all_gather waits for this rank meanwhile
+    mine = torch.full((3,), float(rank))
+    table = [torch.empty(3) for _ in range(world)]
+    seen: dict = {}
+    if rank == 0:
+        work = _inflight.issue(lambda: dist.all_gather(table, mine, async_op=True), (table, mine))
+        del work  # only the backend holds it now
+        seen["while_running"] = _inflight.drain(timeout=0.3)
+        seen["watched"] = sorted(id(t) for t in _inflight.watched()) == sorted(
+            id(t) for t in [*table, mine]
+        )
+        seen["after"] = _inflight.drain(timeout=20)
+    else:
+        collective(dist.all_gather, table, mine, timeout=timedelta(seconds=20), what="x", rank=1)
+        seen["after"] = _inflight.drain(timeout=20)
+    seen["left"] = len(_inflight.watched())
+    seen["table"] = torch.stack(table).tolist()
+    return seen
+
+
+def test_drain_waits_until_the_backend_drops_the_work() -> None:
+    """What lets a rank exit cleanly right after a collective (see gradshare._inflight): the
+    tensors of a collective are watched while its work is in flight, drain() does not return
+    True before the backend has dropped it, and does once it has (nothing left watched)."""
+    zero, one = (r.get() for r in spawn(_rank_watch, 2))
+    assert zero["while_running"] is False and zero["watched"] is True
+    assert zero["after"] is True and one["after"] is True
+    assert zero["left"] == one["left"] == 0
+    assert zero["table"] == one["table"] == [[0.0] * 3, [1.0] * 3]

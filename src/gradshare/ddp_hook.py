@@ -38,11 +38,11 @@ from gradshare.encoder import Encoder
 from gradshare.exchange import (
     Pipeline,
     PrivateGroup,
+    collective,
     exchange_messages,
     largest_message,
     rank_names,
     take_back,
-    wait,
 )
 from gradshare.residual import ResidualPostProcessor
 from gradshare.threshold import ThresholdAlgorithm, resolve
@@ -479,8 +479,8 @@ def _exchange_bucket(
     numel = grad.numel()
     if iteration < state.start_iter:
         out = grad.div_(world)
-        work = dist.all_reduce(out, group=group, async_op=True)
-        wait(work, state.timeout, "gradient all-reduce", dist.get_rank(group))
+        collective(dist.all_reduce, out, group=group, timeout=state.timeout,
+                   what="gradient all-reduce", rank=dist.get_rank(group))  # fmt: skip
         state.bytes_sent += 4 * numel
     else:
         out = _encoded_exchange(state, group, grad, index, params, iteration, world)

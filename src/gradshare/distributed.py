@@ -30,7 +30,13 @@ from gradshare import codec, threads
 from gradshare._flat import views
 from gradshare.accumulator import to_seconds
 from gradshare.encoder import Encoder, EncodeStats
-from gradshare.exchange import PrivateGroup, exchange_messages, rank_names, take_back, wait
+from gradshare.exchange import (
+    PrivateGroup,
+    collective,
+    exchange_messages,
+    rank_names,
+    take_back,
+)
 from gradshare.nodes import broadcast_messages, node_layout
 from gradshare.residual import ResidualPostProcessor
 from gradshare.threshold import ThresholdAlgorithm, resolve_or_dense
@@ -262,8 +268,8 @@ class SharedOptimizer(torch.optim.Optimizer):
         )
         flat = _flat_params(params, self._before)
         src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
-        work = dist.broadcast(flat, src=src, group=self._private.get(), async_op=True)
-        wait(work, self.timeout, "parameter broadcast", rank)
+        collective(dist.broadcast, flat, src=src, group=self._private.get(), timeout=self.timeout,
+                   what="parameter broadcast", rank=rank)  # fmt: skip
         self._unflatten(flat, params)
 
     @staticmethod
@@ -350,8 +356,8 @@ class SharedOptimizer(torch.optim.Optimizer):
         try:  # 1. every rank of the node is well, then U = Σ of the node's updates
             node = self._node.get()
             exchange_messages(None, self.numel, group=node, failure=failure, **kw)
-            wait(dist.all_reduce(self._update, group=node, async_op=True), self.timeout,
-                 "node all-reduce", rank)  # fmt: skip
+            collective(dist.all_reduce, self._update, group=node, timeout=self.timeout,
+                       what="node all-reduce", rank=rank)  # fmt: skip
         except BaseException as e:
             if leader:
                 self._tell_leaders(e)
@@ -405,8 +411,8 @@ class SharedOptimizer(torch.optim.Optimizer):
             None, self.numel, group=self._private.get(), timeout=self.timeout,
             device=self.device, failure=failure,
         )  # fmt: skip
-        work = dist.all_reduce(self._update, group=self._private.get(), async_op=True)
-        wait(work, self.timeout, "dense all-reduce", dist.get_rank(self.group))
+        collective(dist.all_reduce, self._update, group=self._private.get(), timeout=self.timeout,
+                   what="dense all-reduce", rank=dist.get_rank(self.group))  # fmt: skip
         before.sub_(self._update.div_(self._divisor()))
         self.bytes_sent += 4 * self.numel
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import logging
 import queue
 import threading
 import time
@@ -32,13 +33,14 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from gradshare import codec
+from gradshare import _inflight, codec
 from gradshare.accumulator import to_seconds
 
 __all__ = [
     "ExchangeError",
     "Pipeline",
     "PrivateGroup",
+    "collective",
     "exchange_messages",
     "largest_message",
     "rank_names",
@@ -47,22 +49,35 @@ __all__ = [
 
 _OK, _FAILED = 0, 1
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 
 
 class ExchangeError(RuntimeError):
     """The exchange of messages failed on this rank because of another rank (or the network)."""
 
 
-def wait(work: Any, timeout: timedelta, what: str, rank: int) -> None:
-    """Wait for a collective's ``work``; on failure or timeout raise :class:`ExchangeError`."""
+def collective(
+    op: Callable[..., Any],
+    *tensors: torch.Tensor | list[torch.Tensor],
+    timeout: timedelta,
+    what: str,
+    rank: int,
+    **kwargs: Any,
+) -> None:
+    """Run the collective ``op(*tensors, **kwargs)`` (``dist.all_gather``, ``dist.broadcast``,
+    …) asynchronously and wait for it; on failure or timeout raise :class:`ExchangeError`
+    naming ``what`` and this ``rank``. Its tensors are watched until the backend drops the
+    work, so that the process can exit cleanly right after (see :mod:`gradshare._inflight`).
+    """
+    work = _inflight.issue(lambda: op(*tensors, async_op=True, **kwargs), tensors)
     start = time.monotonic()
     try:
         work.wait(timeout)
         return
     except Exception as e:
         error = e
-    # the traceback keeps this frame until exit: it must not keep the pending operation (a
-    # gloo work still running then, at interpreter teardown, aborts the process)
+    # the traceback keeps this frame until exit: it must not keep the work, or the backend
+    # could not drop it before exit (see _close_all)
     del work
     raise ExchangeError(
         f"Rank {rank}: the {what} failed after {time.monotonic() - start:.1f} s (timeout "
@@ -118,8 +133,8 @@ def exchange_messages(
     status = _OK if failure is None else _FAILED
     header = torch.tensor([status, words, numel], dtype=torch.int64, device=device)
     headers = [torch.empty_like(header) for _ in range(world)]
-    wait(dist.all_gather(headers, header, group=group, async_op=True), timeout, "size exchange",
-         rank)  # fmt: skip
+    collective(dist.all_gather, headers, header, group=group, timeout=timeout,
+               what="size exchange", rank=rank)  # fmt: skip
     table = torch.stack(headers).cpu().tolist()
     failed = [r for r, h in enumerate(table) if h[0] != _OK]
     if failure is not None:
@@ -150,12 +165,8 @@ def exchange_messages(
     if message is not None:
         padded[:words].copy_(message)
     gathered = [torch.empty_like(padded) for _ in range(world)]
-    wait(
-        dist.all_gather(gathered, padded, group=group, async_op=True),
-        timeout,
-        "message exchange",
-        rank,
-    )
+    collective(dist.all_gather, gathered, padded, group=group, timeout=timeout,
+               what="message exchange", rank=rank)  # fmt: skip
     return [m[: h[1]] if h[1] else None for h, m in zip(table, gathered, strict=True)]
 
 
@@ -228,12 +239,17 @@ _private: weakref.WeakSet[PrivateGroup] = weakref.WeakSet()
 
 @atexit.register
 def _close_all() -> None:
-    """At interpreter exit, while it is still whole: end the pipelines' threads and destroy
-    the private groups. Left to the interpreter's teardown, a thread or a gloo group of ours
-    could abort the process ("terminate called without an active exception"), as it did for
-    a rank that left through an exception without ``destroy_process_group()``."""
+    """At interpreter exit, while it is still whole: end the pipelines' threads, wait until
+    the backend has dropped every work of ours (:func:`gradshare._inflight.drain`), and
+    destroy the private groups. Left to the interpreter's teardown, any of them could abort
+    the process ("terminate called without an active exception")."""
     for pipeline in list(_open):
         pipeline.close()
+    if not _inflight.drain(timeout=10.0):
+        logger.warning(
+            "gradshare: a collective was still running at exit after 10 s (a peer hung?); "
+            "the process may abort as the interpreter shuts down"
+        )
     for group in list(_private):
         group.destroy()
 

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gradshare.exchange import ExchangeError, largest_message, wait
+from gradshare.exchange import ExchangeError, collective, largest_message
 
 __all__ = ["NodeLayout", "broadcast_messages", "node_layout"]
 
@@ -70,8 +70,8 @@ def node_layout(
     mine = torch.tensor([size, int(local) if local.isdigit() else -1], dtype=torch.int64)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     table = [torch.empty_like(mine) for _ in range(world)]
-    wait(dist.all_gather(table, mine, group=private, async_op=True), timeout,
-         "node layout exchange", rank)  # fmt: skip
+    collective(dist.all_gather, table, mine, group=private, timeout=timeout,
+               what="node layout exchange", rank=rank)  # fmt: skip
     sizes = [int(t[0]) for t in table]
     if 0 in sizes:
         raise ValueError(
@@ -123,8 +123,8 @@ def broadcast_messages(
         header[0] = _FAILED if messages is None else _OK
         if messages is not None:
             header[2:] = torch.tensor([0 if m is None else m.numel() for m in messages])
-    wait(dist.broadcast(header, src=src, group=group, async_op=True), timeout,
-         "node broadcast of the sizes", rank)  # fmt: skip
+    collective(dist.broadcast, header, src=src, group=group, timeout=timeout,
+               what="node broadcast of the sizes", rank=rank)  # fmt: skip
     status, _, *sizes = header.cpu().tolist()
     if status != _OK:
         if rank == src:
@@ -145,8 +145,8 @@ def broadcast_messages(
         payload = torch.cat([m for m in messages if m is not None]).to(device)
     else:
         payload = torch.empty(total, dtype=torch.int32, device=device)
-    wait(dist.broadcast(payload, src=src, group=group, async_op=True), timeout,
-         "node broadcast of the messages", rank)  # fmt: skip
+    collective(dist.broadcast, payload, src=src, group=group, timeout=timeout,
+               what="node broadcast of the messages", rank=rank)  # fmt: skip
     out: list[torch.Tensor | None] = []
     start = 0
     for s in sizes:

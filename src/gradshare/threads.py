@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from gradshare import _inflight
 from gradshare._checks import check_int
 
 __all__ = ["ENV_VAR", "kernel_threads", "set_kernel_threads"]
@@ -139,7 +140,8 @@ def count_ranks_on_host(group: Any = None) -> int:
     if dist.get_backend(group) == "nccl":
         mine = mine.cuda()
     hosts = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(hosts, mine, group=group)
+    _inflight.issue(lambda: dist.all_gather(hosts, mine, group=group, async_op=True),
+                    (hosts, mine)).wait()  # fmt: skip
     count = sum(int(h) == int(mine) for h in hosts)
     note_ranks_on_host(count)
     logger.debug("%d rank(s) on this host; kernels use %d thread(s)", count, kernel_threads())
