@@ -60,7 +60,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -73,7 +72,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _env import environment, free_port
+from _env import environment, free_port, timed_steps
 from _models import gpt, lm_loss, powersgd_bytes, text, text_batch, vocab_size
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -156,24 +155,18 @@ def _method(method: str, rank: int, world: int, model: str, numel: int, steps: i
         state = gradshare.register_threshold_hook(run, threshold=threshold)  # type: ignore[arg-type]
     elif method == "shared":
         opt = gradshare.SharedOptimizer(opt)
-    warmup = WARMUP[method]
-    times: list[float] = []
-    sent0, spent = 0, 0.0
-    i = 0
-    while len(times) < steps and (spent < BUDGET_S or len(times) < 2):
-        if i == warmup:
-            sent0 = state.bytes_sent if state is not None else getattr(opt, "bytes_sent", 0)
-        dist.barrier()
-        start = time.perf_counter()
+    sent0 = [0]
+
+    def step(i: int) -> None:
         opt.zero_grad()
         loss_of(i, run).backward()
         opt.step()
-        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        if i >= warmup:
-            times.append(float(elapsed))
-            spent += float(elapsed)
-        i += 1
+
+    def at_warmup() -> None:
+        sent0[0] = state.bytes_sent if state is not None else getattr(opt, "bytes_sent", 0)
+
+    times = timed_steps(step, steps=steps, warmup=WARMUP[method], budget_s=BUDGET_S,
+                        at_warmup=at_warmup)  # fmt: skip
     n = sum(p.numel() for p in params)
     density = None
     if method == "compute":
@@ -186,7 +179,7 @@ def _method(method: str, rank: int, world: int, model: str, numel: int, steps: i
         sent = float(powersgd_bytes(net, int(method.split("-")[1])))
     else:
         total = state.bytes_sent if state is not None else opt.bytes_sent  # type: ignore[attr-defined]
-        sent = (total - sent0) / len(times)
+        sent = (total - sent0[0]) / len(times)
         messages = len(state.encoders) if state is not None else 1
         density = max(sent / 4 - 4 * messages, 0) / n  # sparse: entries plus a header each
     return {"method": method, "numel": n, "ms": statistics.median(times) * 1e3, "bytes": sent,

@@ -209,6 +209,7 @@ def _worker(method: str, model_size: str, steps: int, out: Path) -> None:
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import gradshare
+    from _env import timed_steps
     from _models import adamw, gpt, lm_loss, powersgd_bytes, text, text_batch, vocab_size
 
     torch.set_num_threads(1)
@@ -231,25 +232,20 @@ def _worker(method: str, model_size: str, steps: int, out: Path) -> None:
         opt = gradshare.SharedOptimizer(opt, hierarchical=method == "hierarchical")
     veth = os.environ["GLOO_SOCKET_IFNAME"]
     local_leader = int(os.environ.get("LOCAL_RANK", "0")) == 0
-    times: list[float] = []
-    i, spent, tx0 = 0, 0.0, 0
-    while len(times) < steps and (spent < BUDGET_S or len(times) < 2):
-        dist.barrier()
-        if i == WARMUP and local_leader:
-            tx0 = tx_bytes(veth)
-        start = time.perf_counter()
+    tx0 = [0]
+
+    def step(i: int) -> None:
         opt.zero_grad()
         x, y = batches[i % 4]
         lm_loss(run(x), y).backward()
         opt.step()
-        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        if i >= WARMUP:
-            times.append(float(elapsed))
-            spent += float(elapsed)
-        i += 1
+
+    def at_warmup() -> None:
+        tx0[0] = tx_bytes(veth) if local_leader else 0
+
+    times = timed_steps(step, steps=steps, warmup=WARMUP, budget_s=BUDGET_S, at_warmup=at_warmup)
     dist.barrier()
-    link = torch.tensor([tx_bytes(veth) - tx0 if local_leader else 0], dtype=torch.float64)
+    link = torch.tensor([tx_bytes(veth) - tx0[0] if local_leader else 0], dtype=torch.float64)
     dist.all_reduce(link)  # both machines' veths
     numel = sum(p.numel() for p in net.parameters())
     sent = getattr(opt, "bytes_sent", None)
