@@ -86,6 +86,26 @@ CHUNK, CAP, SUPER = 1 << 16, (1 << 16) // 16, 256
 """The kernels' chunk, per-chunk record cap and superblock (checked against _kernels below)."""
 
 
+def _encoded_alike(x: torch.Tensor, magnitude: str) -> list[torch.Tensor]:
+    """Encode copies of ``x`` sparse (one chunk, then a boundary), then as a bitmap, through
+    the kernels and the torch path; assert the messages and residuals agree bit for bit and
+    return the kernels' messages."""
+    messages = []
+    for encode in (
+        lambda r: encode_sparse_(r, 1.0, magnitude=magnitude),
+        lambda r: encode_sparse_(r, 1.0, boundary=777, magnitude=magnitude),
+        lambda r: encode_bitmap_(r, 1.0, magnitude=magnitude),
+    ):
+        a, b = x.clone(), x.clone()
+        ma = encode(a)
+        with torch_path():
+            mb = encode(b)
+        assert ma is not None and mb is not None and torch.equal(ma, mb)
+        assert torch.equal(bits(a), bits(b))
+        messages.append(ma)
+    return messages
+
+
 def _both_paths(
     x: torch.Tensor, steps: Callable[[codec.Workspace, torch.Tensor], object]
 ) -> tuple[
@@ -273,18 +293,7 @@ class TestSpeculativeScan:
     def test_special_values(self) -> None:
         """NaN, ±inf, -0.0 and subnormals take the same path through kernels and torch."""
         vals = [float("nan"), float("inf"), -float("inf"), -0.0, 0.0, 1e-45, -1e-45, 3.0, -3.0]
-        x = torch.tensor(vals * 40000, dtype=torch.float32)
-        for encode in (
-            lambda r: encode_sparse_(r, 1.0),
-            lambda r: encode_sparse_(r, 1.0, boundary=777),
-            lambda r: encode_bitmap_(r, 1.0),
-        ):
-            a, b = x.clone(), x.clone()
-            ma = encode(a)
-            with torch_path():
-                mb = encode(b)
-            assert ma is not None and mb is not None and torch.equal(ma, mb)
-            assert torch.equal(bits(a), bits(b))
+        _encoded_alike(torch.tensor(vals * 40000, dtype=torch.float32), "threshold")
 
     @settings(max_examples=25, deadline=None)
     @given(
@@ -415,17 +424,6 @@ class TestMeanMagnitudeKernels:
     def test_special_values(self) -> None:
         """inf counts as the largest float32 (m stays finite); NaN is never sent."""
         vals = [float("nan"), float("inf"), -float("inf"), -0.0, 0.0, 1e-45, -1e-45, 3.0, -3.0]
-        x = torch.tensor(vals * 40000, dtype=torch.float32)
-        for encode in (
-            lambda r: encode_sparse_(r, 1.0, magnitude="mean"),
-            lambda r: encode_sparse_(r, 1.0, boundary=777, magnitude="mean"),
-            lambda r: encode_bitmap_(r, 1.0, magnitude="mean"),
-        ):
-            a, b = x.clone(), x.clone()
-            ma = encode(a)
-            with torch_path():
-                mb = encode(b)
-            assert ma is not None and mb is not None and torch.equal(ma, mb)
-            assert torch.equal(bits(a), bits(b))
+        for ma in _encoded_alike(torch.tensor(vals * 40000, dtype=torch.float32), "mean"):
             m = message_info(ma).threshold
             assert 3.0 < m < float("inf")
