@@ -15,12 +15,9 @@ import glob
 import os
 import sys
 
-import torch
 import torch.distributed as dist
-from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
 
-import gradshare
+from fault_exit import job, step  # this script's directory is on sys.path
 
 
 def starve_backend_threads() -> None:
@@ -35,21 +32,11 @@ def starve_backend_threads() -> None:
 
 
 def main() -> None:
-    mode = sys.argv[1]
     dist.init_process_group("gloo")
-    model = nn.Linear(64, 64)
-    if mode == "hook":
-        net: nn.Module = DDP(model)
-        gradshare.register_threshold_hook(net, timeout=20, start_iter=0)
-        opt: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    else:
-        net = model
-        opt = gradshare.SharedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), timeout=20)
+    net, opt = job(sys.argv[1], timeout=20)
     starve_backend_threads()
     for _ in range(3):
-        opt.zero_grad()
-        net(torch.randn(8, 64)).square().mean().backward()
-        opt.step()
+        step(net, opt)
     print("trained", flush=True)
     ctypes.PyDLL(None).usleep(300_000)  # C code that keeps the GIL (PyDLL does not release it)
 

@@ -18,25 +18,33 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import gradshare
 
 
+def job(mode: str, timeout: float) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """A small model with the DDP hook (``mode`` "hook") or a SharedOptimizer ("shared")."""
+    model = nn.Linear(64, 64)
+    if mode == "hook":
+        net = DDP(model)
+        gradshare.register_threshold_hook(net, timeout=timeout, start_iter=0)
+        return net, torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    return model, gradshare.SharedOptimizer(opt, timeout=timeout)
+
+
+def step(net: nn.Module, opt: torch.optim.Optimizer) -> None:
+    opt.zero_grad()
+    net(torch.randn(8, 64)).square().mean().backward()
+    opt.step()
+
+
 def main() -> None:
     mode = sys.argv[1]
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    model = nn.Linear(64, 64)
-    if mode == "hook":
-        net = DDP(model)
-        gradshare.register_threshold_hook(net, timeout=2, start_iter=0)
-        opt: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    else:
-        net = model
-        opt = gradshare.SharedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), timeout=2)
+    net, opt = job(mode, timeout=2)
     print("ready", flush=True)
     if rank == 1:
         time.sleep(600)  # the peer that hangs
     try:
-        opt.zero_grad()
-        net(torch.randn(8, 64)).square().mean().backward()
-        opt.step()
+        step(net, opt)
     except Exception as e:
         print(f"raised {type(e).__name__}: {str(e)[:200]}", flush=True)
     print(f"leaving {time.monotonic():.3f}", flush=True)
