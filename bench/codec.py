@@ -40,7 +40,8 @@ import numba
 import numpy as np
 import torch
 
-from gradshare import _kernels, codec
+from gradshare import codec
+from gradshare.codec import _kernels
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _env import environment

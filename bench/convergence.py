@@ -79,8 +79,8 @@ def _rank(
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     from gradshare import ResidualClipping, ThresholdHookState, threshold_hook
-    from gradshare.datasets import digits, minibatches, mlp
-    from gradshare.train import parse_threshold
+    from gradshare.app.datasets import digits, minibatches, mlp
+    from gradshare.app.train import parse_threshold
 
     split = digits(seed=0)
     rows = []

@@ -65,7 +65,7 @@ class Row:
 
 def _train(rank: int, world: int, steps: int, warmup: int, out: str) -> None:
     import gradshare
-    from gradshare import threads
+    from gradshare.codec import threads
 
     ids = text()
     rows = []

@@ -19,7 +19,7 @@ seed's weights and each draws its own batches (generator seeded by seed and rank
   3 epochs gave 94.5-96% at lr 0.02-0.1, 10 epochs at lr 0.03 gave 97.0%, at 0.05 96.2% and at
   0.1 94.6%); metric: test accuracy in points (higher is better; one test image is 0.1 point).
 * ``digits``: scikit-learn's digits, split and scaled as ``bench/convergence.py`` does
-  (``gradshare.datasets.digits(seed=0)``), MLP 64-256-10, plain SGD lr 0.2, 32 per rank, 250
+  (``gradshare.app.datasets.digits(seed=0)``), MLP 64-256-10, plain SGD lr 0.2, 32 per rank, 250
   steps (about 12 epochs); metric: test accuracy in points (one test image is 0.22 point).
 
 The methods (``METHODS``, one entry each): ``dense`` (DDP), ``fp16`` (DDP +
@@ -143,13 +143,13 @@ def _cnn(data: Data, seed: int) -> nn.Module:
 
 
 def _digits() -> Data:
-    from gradshare.datasets import digits
+    from gradshare.app.datasets import digits
 
     return asdict(digits(seed=0))
 
 
 def _mlp(data: Data, seed: int) -> nn.Module:
-    from gradshare.datasets import mlp
+    from gradshare.app.datasets import mlp
 
     return mlp(64, 10, hidden=256, seed=seed)
 
@@ -187,7 +187,7 @@ WORKLOADS = {
     "digits": Workload(
         "digits MLP 64-256-10, SGD", "test accuracy (points)", True, 250, _digits, _mlp,
         _sgd(0.2), _images, F.cross_entropy, _accuracy,
-        settings="SGD lr 0.2, 32 per rank; gradshare.datasets.digits(seed=0) split",
+        settings="SGD lr 0.2, 32 per rank; gradshare.app.datasets.digits(seed=0) split",
     ),
 }  # fmt: skip
 

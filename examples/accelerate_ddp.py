@@ -34,7 +34,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from gradshare import AdaptiveThreshold, register_threshold_hook
-from gradshare.datasets import digits, mlp
+from gradshare.app.datasets import digits, mlp
 from gradshare.integrations import register_rank_checkpointing
 
 

@@ -20,7 +20,7 @@ from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gradshare import AdaptiveThreshold, register_threshold_hook
-from gradshare.datasets import digits, minibatches, mlp
+from gradshare.app.datasets import digits, minibatches, mlp
 
 
 def main() -> None:

@@ -33,7 +33,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from gradshare import AdaptiveThreshold, SharedOptimizer
-from gradshare.datasets import digits, mlp
+from gradshare.app.datasets import digits, mlp
 from gradshare.integrations import GradshareDDPStrategy
 
 

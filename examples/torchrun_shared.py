@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch.nn import functional as F
 
 from gradshare import AdaptiveThreshold, SharedOptimizer
-from gradshare.datasets import digits, minibatches, mlp
+from gradshare.app.datasets import digits, minibatches, mlp
 
 
 def schedule(split, epochs: int, batch_size: int, rank: int, world: int) -> list:

@@ -20,7 +20,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradshare
-from gradshare import threads
+from gradshare.codec import threads
 
 
 def run(rank: int, world: int, out: str, mode: str) -> None:

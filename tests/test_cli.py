@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gradshare.cli import main
+from gradshare.app.cli import main
 
 
 def test_inspect_prints_each_step(capsys: pytest.CaptureFixture[str]) -> None:

@@ -17,11 +17,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gradshare import _dispatch, codec
+from gradshare import codec
 from gradshare.codec import (
     BITMAP_ENCODING,
     FLEXIBLE_ENCODING,
     MessageError,
+    _dispatch,
     decode_,
     encode_bitmap_,
     encode_sparse_,

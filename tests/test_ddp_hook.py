@@ -6,6 +6,7 @@ import io
 import math
 import pickle
 import time
+from pathlib import Path
 from typing import ClassVar
 
 import pytest
@@ -15,7 +16,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import gradshare.ddp_hook as hook_module
+import gradshare.distributed.ddp_hook as hook_module
 from gradshare import (
     AdaptiveThreshold,
     Encoder,
@@ -24,8 +25,8 @@ from gradshare import (
     register_threshold_hook,
     threshold_hook,
 )
-from gradshare.codec import MessageError, decode_
-from gradshare.datasets import digits, minibatches, mlp
+from gradshare.app.datasets import digits, minibatches, mlp
+from gradshare.codec import MessageError, decode_, multipart
 
 from toys import toy_batches
 from world import spawn
@@ -486,7 +487,7 @@ class TestSplit:
         )
         bitmap = Encoder(FixedThreshold(1.0)).encode(torch.full((8,), 2.0), 0)
         assert sparse is not None and bitmap is not None
-        empty = hook_module._empty_message(100, 1.0, torch.device("cpu"))
+        empty = multipart.empty_message(100, 1.0, torch.device("cpu"))
         return torch.cat([sparse, bitmap, empty])
 
     def test_pieces_in_order_empty_one_as_none(self) -> None:
@@ -573,3 +574,21 @@ class TestCheckpointChecks:
     def test_momentum_out_of_range_is_refused(self, momentum) -> None:  # type: ignore[no-untyped-def]
         with pytest.raises(ValueError, match="momentum"):
             ThresholdHookState(momentum=momentum)
+
+
+def test_a_hook_state_pickled_by_gradshare_0_1_still_loads() -> None:
+    """gradshare 0.1 pickled the state as ``gradshare.ddp_hook.ThresholdHookState`` (with its
+    encoders as ``gradshare.encoder.Encoder``): the old module paths still resolve, to the same
+    classes. The file was written by 0.1 after 3 steps of a 2-layer model, momentum 0.5."""
+    with (Path(__file__).parent / "data" / "hook_state_0.1.pkl").open("rb") as f:
+        with pytest.warns(DeprecationWarning, match="gradshare.ddp_hook"):
+            state = pickle.load(f)
+    assert type(state) is ThresholdHookState and state.iteration == 3 and state.momentum == 0.5
+    assert state.process_group is None and state._group is None
+    assert sorted(state.encoders) == [(0, 0), (0, 1), (0, 2), (0, 3)]
+    residual = state.encoders[(0, 3)].residual
+    assert residual is not None
+    assert residual.tolist() == [0.5564457178115845, 0.10945340245962143]
+    assert state.state_dict()["encoders"]["0,3"]["algorithm"]["last_threshold"] == pytest.approx(
+        0.0010352649730138227, rel=0, abs=0
+    )

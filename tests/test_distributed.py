@@ -30,7 +30,7 @@ from gradshare import (
     SharedOptimizer,
     exchange_messages,
 )
-from gradshare.datasets import mlp
+from gradshare.app.datasets import mlp
 
 from toys import flat, toy_batches
 from world import spawn

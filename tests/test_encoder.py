@@ -240,7 +240,7 @@ def test_import_starts_nothing() -> None:
 
     code = (
         "import sys, gradshare, torch\n"
-        "assert 'gradshare._kernels' not in sys.modules, 'kernels imported'\n"
+        "assert 'gradshare.codec._kernels' not in sys.modules, 'kernels imported'\n"
         "assert 'numba' not in sys.modules, 'numba imported'\n"
         "assert not torch.cuda.is_initialized()\n"
         "assert not torch.distributed.is_initialized()\n"

@@ -10,8 +10,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from gradshare import _inflight, codec
-from gradshare.exchange import Pipeline, collective, largest_message
+from gradshare import codec
+from gradshare.distributed import _inflight
+from gradshare.distributed.exchange import Pipeline, collective, largest_message
 
 from world import spawn
 
@@ -93,8 +94,8 @@ def _rank_watch(rank: int, world: int) -> dict:
 
 
 def test_drain_waits_until_the_backend_drops_the_work() -> None:
-    """What lets a rank exit cleanly right after a collective (see gradshare._inflight): the
-    tensors of a collective are watched while its work is in flight, drain() does not return
+    """What lets a rank exit cleanly right after a collective (see gradshare.distributed._inflight):
+    the tensors of a collective are watched while its work is in flight, drain() does not return
     True before the backend has dropped it, and does once it has (nothing left watched)."""
     zero, one = (r.get() for r in spawn(_rank_watch, 2))
     assert zero["while_running"] is False and zero["watched"] is True

@@ -18,7 +18,7 @@ import torch
 from torch.nn import functional as F
 
 from gradshare import AdaptiveThreshold, FixedThreshold, SharedOptimizer
-from gradshare.datasets import mlp
+from gradshare.app.datasets import mlp
 
 from toys import flat, toy_batches
 from world import spawn

@@ -56,7 +56,7 @@ def _plain_ddp(
     from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
     from gradshare import AdaptiveThreshold, SharedOptimizer, register_threshold_hook
-    from gradshare.datasets import digits, mlp
+    from gradshare.app.datasets import digits, mlp
 
     split = digits(seed=0)
     data = TensorDataset(split.x_train, split.y_train)

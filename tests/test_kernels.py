@@ -1,4 +1,4 @@
-"""The fused numba kernels (:mod:`gradshare._kernels`): equal to the torch path bit for bit in
+"""The fused numba kernels (:mod:`gradshare.codec._kernels`): equal to the torch path bit for bit in
 every way a step can end, their constants, serial twins, disk cache, and a CPU without AVX-512.
 
 The wire format and the public API, on both paths, are in tests/test_codec.py.
@@ -18,8 +18,16 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gradshare import _dispatch, _format, codec
-from gradshare.codec import MessageError, decode_, encode_bitmap_, encode_sparse_, message_info
+from gradshare import codec
+from gradshare.codec import (
+    MessageError,
+    _dispatch,
+    _format,
+    decode_,
+    encode_bitmap_,
+    encode_sparse_,
+    message_info,
+)
 
 
 def torch_path() -> contextlib.AbstractContextManager[None]:
@@ -342,7 +350,7 @@ def test_kernels_without_avx512(tmp_path: Path) -> None:
         "        with codec.use_kernels(False):\n"
         "            mb = enc(b)\n"
         "        assert torch.equal(ma, mb) and torch.equal(a, b)\n"
-        "import gradshare._kernels as k\n"
+        "import gradshare.codec._kernels as k\n"
         "cg = k.scan.targetctx.codegen()\n"
         "assert '+avx512f' not in cg._tm_features, cg._tm_features\n"
         "print('ok')\n"

@@ -20,7 +20,7 @@ from gradshare import (
     StepStats,
     decode_,
 )
-from gradshare.datasets import digits, minibatches, mlp
+from gradshare.app.datasets import digits, minibatches, mlp
 
 from toys import flat, toy_batches, toy_model
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from gradshare import IndexedTail, MessageError, encode_sparse_
-from gradshare.tail import COLLAPSE_AT
+from gradshare.local.tail import COLLAPSE_AT
 
 
 def _full(n: int, value: float) -> torch.Tensor:

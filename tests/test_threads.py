@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from gradshare import threads
+from gradshare.codec import threads
 
 HERE = Path(__file__).resolve().parent
 TUNING = ("OMP_NUM_THREADS", "NUMBA_NUM_THREADS", "MKL_NUM_THREADS", threads.ENV_VAR,

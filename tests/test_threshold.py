@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from gradshare import AdaptiveThreshold, FixedThreshold, TargetDensityThreshold
-from gradshare.threshold import DEFAULT_DECAY, THRESHOLD_SPAN, ThresholdAlgorithm
+from gradshare.encoding.threshold import DEFAULT_DECAY, THRESHOLD_SPAN, ThresholdAlgorithm
 
 
 class TestAdaptive:
@@ -257,7 +257,7 @@ class TestOneDefault:
             ParallelWrapper,
             ThresholdHookState,
         )
-        from gradshare.threshold import DEFAULT_INITIAL, default_threshold
+        from gradshare.encoding.threshold import DEFAULT_INITIAL, default_threshold
 
         wrapper = ParallelWrapper(nn.Linear(2, 2), lambda p: torch.optim.SGD(p, lr=0.1),
                                   F.cross_entropy, num_workers=1)  # fmt: skip

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from gradshare import cli, train
-from gradshare.cli import main
-from gradshare.report import COLUMNS
+from gradshare.app import cli, train
+from gradshare.app.cli import main
+from gradshare.app.report import COLUMNS
 
 from toys import Hostile
 
@@ -199,7 +199,7 @@ def _children(pid: int) -> list[int]:
 def test_ctrl_c_to_the_parent_stops_every_rank(tmp_path: Path) -> None:
     """SIGINT to `gradshare train --mode distributed` alone left it waiting forever on ranks
     that kept training; now it stops them, says so in one line and exits 130."""
-    cmd = [sys.executable, "-m", "gradshare.cli", "train", "--mode", "distributed",
+    cmd = [sys.executable, "-m", "gradshare.app.cli", "train", "--mode", "distributed",
            "--workers", "2", "--epochs", "200", "--out", str(tmp_path), *QUIET]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from gradshare.datasets import mlp
+from gradshare.app.datasets import mlp
 
 
 def toy_batches(

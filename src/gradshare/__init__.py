@@ -5,14 +5,23 @@ worker keeps a residual, sends only the entries that crossed a threshold (as sig
 2-bit bitmap when too many crossed), the threshold adapts to hold a target density, and every
 replica applies the same decoded sum.
 
+The package, in the order an update flows (imports run one way: codec <- encoding <- local,
+distributed <- integrations, app):
+
+- :mod:`gradshare.codec`: DL4J's wire format and its kernels;
+- :mod:`gradshare.encoding`: one worker's encoder, the threshold algorithms, ``EncodingOptions``;
+- :mod:`gradshare.local`: DL4J's single-process system (accumulator, IndexedTail,
+  ParallelWrapper);
+- :mod:`gradshare.distributed`: over torch.distributed (exchange, SharedOptimizer, the DDP
+  hook, nodes);
+- :mod:`gradshare.integrations`: Lightning, accelerate, per-rank checkpoint files (imported on
+  demand, never by ``import gradshare``);
+- :mod:`gradshare.app`: ``gradshare train / bench / inspect`` and the report.
+
 Importing gradshare starts nothing: no CUDA, no numba compilation, no process group.
 """
 
-from gradshare.accumulator import (
-    AccumulatorError,
-    EncodedGradientsAccumulator,
-    optimal_buffer_size,
-)
+from gradshare import _moved
 from gradshare.codec import (
     BITMAP_ENCODING,
     FLEXIBLE_ENCODING,
@@ -23,22 +32,37 @@ from gradshare.codec import (
     encode_sparse_,
     message_info,
 )
-from gradshare.ddp_hook import ThresholdHookState, register_threshold_hook, threshold_hook
-from gradshare.distributed import SharedOptimizer
-from gradshare.encoder import Encoder, EncodeStats
-from gradshare.exchange import ExchangeError, exchange_messages
-from gradshare.parallel import ParallelWrapper, StepStats
-from gradshare.residual import NoResidualProcessing, ResidualClipping, ResidualPostProcessor
-from gradshare.tail import IndexedTail
-from gradshare.threshold import (
+from gradshare.distributed.ddp_hook import (
+    ThresholdHookState,
+    register_threshold_hook,
+    threshold_hook,
+)
+from gradshare.distributed.exchange import ExchangeError, exchange_messages
+from gradshare.distributed.shared_optimizer import SharedOptimizer
+from gradshare.encoding.encoder import Encoder, EncodeStats
+from gradshare.encoding.residual import (
+    NoResidualProcessing,
+    ResidualClipping,
+    ResidualPostProcessor,
+)
+from gradshare.encoding.threshold import (
     AdaptiveThreshold,
     FixedThreshold,
     QuantileThreshold,
     TargetDensityThreshold,
     ThresholdAlgorithm,
 )
+from gradshare.local.accumulator import (
+    AccumulatorError,
+    EncodedGradientsAccumulator,
+    optimal_buffer_size,
+)
+from gradshare.local.parallel import ParallelWrapper, StepStats
+from gradshare.local.tail import IndexedTail
 
 __version__ = "0.1.0"
+
+_moved.install()  # the 0.1 module paths, for one release (see gradshare._moved)
 
 __all__ = [
     # wire format

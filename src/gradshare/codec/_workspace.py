@@ -2,8 +2,8 @@
 
 :class:`Workspace` is the one implementation behind :func:`gradshare.codec.encode_sparse_`,
 :func:`gradshare.codec.encode_bitmap_` and :class:`gradshare.Encoder`; each of its steps runs
-as fused kernels (through :mod:`gradshare._dispatch`) or as torch ops
-(:mod:`gradshare._torch_paths`).
+as fused kernels (through :mod:`gradshare.codec._dispatch`) or as torch ops
+(:mod:`gradshare.codec._torch_paths`).
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from gradshare import _torch_paths
-from gradshare._dispatch import SMALL, array, kernels, launch, on_kernels
-from gradshare._format import (
+from gradshare.codec import _torch_paths
+from gradshare.codec._dispatch import SMALL, array, kernels, launch, on_kernels
+from gradshare.codec._format import (
     BITMAP_ENCODING,
     HEADER_WORDS,
     bitmap_length,

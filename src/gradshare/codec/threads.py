@@ -11,9 +11,10 @@ where torch's count already reflects ``OMP_NUM_THREADS`` (torchrun sets 1 for se
 processes), usable CPUs are the process's CPU affinity, and the ranks on this host come from
 ``LOCAL_WORLD_SIZE`` (torchrun) or, for ranks started another way (``torch.multiprocessing``),
 from the process group: :class:`~gradshare.SharedOptimizer` and the DDP hook count the ranks
-that share this host once, when they start. A share of one runs every kernel single-threaded,
-so numba's pool never starts; a larger share starts it, uses that many of its threads and puts
-torch's own setting back as it was.
+that share this host once, when they start
+(:func:`gradshare.distributed.hosts.count_ranks_on_host`). A share of one runs every kernel
+single-threaded, so numba's pool never starts; a larger share starts it, uses that many of its
+threads and puts torch's own setting back as it was.
 
 Set it explicitly with the environment variable ``GRADSHARE_NUM_THREADS`` or
 :func:`set_kernel_threads` (before the first kernel call of the process, or the pool stays as
@@ -22,16 +23,12 @@ it started).
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
-import socket
 import threading
-from typing import Any
 
 import torch
 
-from gradshare import _inflight
 from gradshare._checks import check_int
 
 __all__ = ["ENV_VAR", "kernel_threads", "set_kernel_threads"]
@@ -92,7 +89,7 @@ def _ranks_on_host() -> int:
     return 1 if _local_ranks is None else _local_ranks
 
 
-def _torch_count() -> int:
+def torch_threads() -> int:
     """torch's thread count as it was before any kernel of ours ran (read once)."""
     global _torch_threads
     if _torch_threads is None:
@@ -114,7 +111,7 @@ def _decide() -> int:
     if explicit is not None:
         _decided = explicit
     else:
-        _decided = max(1, min(_torch_count(), _usable_cpus() // _ranks_on_host()))
+        _decided = max(1, min(torch_threads(), _usable_cpus() // _ranks_on_host()))
     return _decided
 
 
@@ -123,29 +120,6 @@ def note_ranks_on_host(count: int) -> None:
     global _local_ranks, _decided
     _local_ranks = check_int(count, "count")
     _decided = None
-
-
-def count_ranks_on_host(group: Any = None) -> int:
-    """All-gather a host id over ``group`` and record how many of its ranks share this host.
-
-    A collective: every rank of ``group`` must call it, so it runs whatever this rank's own
-    settings are (a rank that skipped it would leave the others waiting); ``LOCAL_WORLD_SIZE``
-    and an explicit thread count still take precedence over what it learns.
-    """
-    import torch.distributed as dist
-
-    _torch_count()  # read before anything else can touch the OpenMP runtime
-    digest = hashlib.blake2b(socket.gethostname().encode(), digest_size=7).digest()
-    mine = torch.tensor([int.from_bytes(digest, "little")], dtype=torch.int64)
-    if dist.get_backend(group) == "nccl":
-        mine = mine.cuda()
-    hosts = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    _inflight.issue(lambda: dist.all_gather(hosts, mine, group=group, async_op=True),
-                    (hosts, mine)).wait()  # fmt: skip
-    count = sum(int(h) == int(mine) for h in hosts)
-    note_ranks_on_host(count)
-    logger.debug("%d rank(s) on this host; kernels use %d thread(s)", count, kernel_threads())
-    return count
 
 
 def parallel_threads() -> int:
@@ -174,7 +148,7 @@ def parallel_threads() -> int:
 def _launch_pool() -> None:
     import numba
 
-    saved = _torch_count()
+    saved = torch_threads()
     numba.get_num_threads()  # starts the pool (NUMBA_NUM_THREADS threads, idle unless asked)
     if torch.get_num_threads() != saved:
         torch.set_num_threads(saved)  # numba's OpenMP start-up changed the shared runtime's

@@ -1,12 +1,12 @@
 """Which path runs a codec step, and how a kernel is called (private).
 
-A step runs as a fused numba kernel (:mod:`gradshare._kernels`) when its tensor is on the CPU
+A step runs as a fused numba kernel (:mod:`gradshare.codec._kernels`) when its tensor is on the CPU
 in float32 or float64 and the kernels are on, else as vectorised torch ops
-(:mod:`gradshare._torch_paths`); both give the same results bit for bit.
+(:mod:`gradshare.codec._torch_paths`); both give the same results bit for bit.
 
 The kernels are on unless the environment variable ``GRADSHARE_KERNELS`` is ``0`` when
 gradshare is imported, or a :func:`use_kernels` block says otherwise. With them off nothing
-imports numba. A kernel call runs on numba's thread pool, sized by :mod:`gradshare.threads`,
+imports numba. A kernel call runs on numba's thread pool, sized by :mod:`gradshare.codec.threads`,
 or as its serial twin for small work, inside :func:`serial_kernels`, or when this process's
 share of the machine is one thread.
 """
@@ -24,8 +24,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from gradshare import _torch_paths, threads
-from gradshare._format import FLEXIBLE_ENCODING
+from gradshare.codec import _torch_paths, threads
+from gradshare.codec._format import FLEXIBLE_ENCODING
 
 ENV_VAR = "GRADSHARE_KERNELS"
 """The environment variable that turns the kernels off for the process (``0``)."""
@@ -85,10 +85,10 @@ def on_kernels(x: torch.Tensor) -> bool:
 
 
 def kernels() -> ModuleType:
-    """:mod:`gradshare._kernels`, imported (with numba) on first use."""
+    """:mod:`gradshare.codec._kernels`, imported (with numba) on first use."""
     global _kernels_module
     if _kernels_module is None:
-        from gradshare import _kernels
+        from gradshare.codec import _kernels
 
         _kernels_module = _kernels
     return _kernels_module
@@ -114,7 +114,7 @@ def serial_kernels() -> Iterator[None]:
 def launch(name: str, *args: Any, small: bool = False) -> Any:
     """Call kernel ``name``: its serial twin for ``small`` work, in a :func:`serial_kernels`
     block (waking the thread pool would cost more) or when this process's share of the machine
-    is one thread (:func:`gradshare.threads.kernel_threads`), else the parallel one."""
+    is one thread (:func:`gradshare.codec.threads.kernel_threads`), else the parallel one."""
     k = kernels()
     if small or getattr(_local, "serial", False) or threads.kernel_threads() == 1:
         return k.SERIAL[name](*args)

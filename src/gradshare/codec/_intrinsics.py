@@ -1,6 +1,6 @@
 """The LLVM intrinsics inside the fused kernels' superblock loops (private).
 
-The superblock step of :func:`gradshare._kernels.scan` and of the bitmap encode are small
+The superblock step of :func:`gradshare.codec._kernels.scan` and of the bitmap encode are small
 intrinsics (:func:`make_superblock`, :func:`make_bitmap_superblock`) working on one vector
 register at a time (16 float32 or 8 float64 with AVX-512): a compare gives the lane mask, a
 select the moved values, and ``llvm.experimental.vector.compress`` packs the entries and old
@@ -9,7 +9,7 @@ expands it on CPUs without AVX-512, still correct). The bitmap words come straig
 compare masks. Every element sees the same IEEE operations as the torch path, so results are
 identical bit for bit.
 
-:mod:`gradshare._kernels` builds its intrinsics from these factories at import and inlines
+:mod:`gradshare.codec._kernels` builds its intrinsics from these factories at import and inlines
 them into its ``@njit`` loops. numba's disk cache of a kernel is keyed on the file that defines
 the kernel, not on this one: after changing this file, also touch ``_kernels.py`` (or clear its
 ``__pycache__``), or the kernels keep the cached machine code of the old intrinsics.
@@ -187,7 +187,7 @@ def make_superblock(add, every, size):  # pragma: no cover - runs while compilin
 def make_bitmap_superblock(add, size):  # pragma: no cover - runs while compiling
     """The intrinsic that (adds and) bitmap-encodes one superblock: ``size // 16`` words.
 
-    Per element the same IEEE operations as :func:`gradshare._kernels._bitmap_code`; the
+    Per element the same IEEE operations as :func:`gradshare.codec._kernels._bitmap_code`; the
     magnitude and sign bits of a word come straight from the vector compare masks.
     """
 

@@ -33,8 +33,9 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from gradshare import _inflight, codec
-from gradshare.accumulator import to_seconds
+from gradshare import codec
+from gradshare._checks import to_seconds
+from gradshare.distributed import _inflight
 
 __all__ = [
     "ExchangeError",
@@ -67,7 +68,8 @@ def collective(
     """Run the collective ``op(*tensors, **kwargs)`` (``dist.all_gather``, ``dist.broadcast``,
     …) asynchronously and wait for it; on failure or timeout raise :class:`ExchangeError`
     naming ``what`` and this ``rank``. Its tensors are watched until the backend drops the
-    work, so that the process can exit cleanly right after (see :mod:`gradshare._inflight`).
+    work, so that the process can exit cleanly right after (see
+    :mod:`gradshare.distributed._inflight`).
     """
     work = _inflight.issue(lambda: op(*tensors, async_op=True, **kwargs), tensors)
     start = time.monotonic()
@@ -240,7 +242,7 @@ _private: weakref.WeakSet[PrivateGroup] = weakref.WeakSet()
 @atexit.register
 def _close_all() -> None:
     """At interpreter exit, while it is still whole: end the pipelines' threads, wait until
-    the backend has dropped every work of ours (:func:`gradshare._inflight.drain`), and
+    the backend has dropped every work of ours (:func:`gradshare.distributed._inflight.drain`), and
     destroy the private groups. Left to the interpreter's teardown, any of them could abort
     the process ("terminate called without an active exception")."""
     for pipeline in list(_open):

@@ -14,8 +14,8 @@ from typing import Any, Literal
 import torch
 
 from gradshare import codec
-from gradshare.residual import NoResidualProcessing, ResidualPostProcessor
-from gradshare.threshold import ThresholdAlgorithm, resolve
+from gradshare.encoding.residual import NoResidualProcessing, ResidualPostProcessor
+from gradshare.encoding.threshold import ThresholdAlgorithm, resolve
 
 __all__ = ["EncodeStats", "Encoder"]
 
@@ -77,8 +77,8 @@ class Encoder:
 
     Args:
         threshold: the threshold algorithm (None:
-            :func:`gradshare.threshold.default_threshold`). It is owned by this encoder: pass a
-            fresh one per worker.
+            :func:`gradshare.encoding.threshold.default_threshold`). It is owned by this encoder:
+            pass a fresh one per worker.
         post_processor: residual post-processing after each message (default none).
         boundary: the most entries a sparse message may carry, or None.
         magnitude: the header's float: ``"threshold"`` (t, DL4J's encoder) or ``"mean"``

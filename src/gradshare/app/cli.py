@@ -28,10 +28,10 @@ from typing import Any, NoReturn
 import torch
 
 import gradshare
-from gradshare import train
-from gradshare.encoder import Encoder
-from gradshare.residual import ResidualPostProcessor
-from gradshare.threshold import ThresholdAlgorithm
+from gradshare.app import train
+from gradshare.encoding.encoder import Encoder
+from gradshare.encoding.residual import ResidualPostProcessor
+from gradshare.encoding.threshold import ThresholdAlgorithm
 
 
 class UsageError(Exception):
@@ -108,7 +108,7 @@ def train_command(args: argparse.Namespace) -> None:
         f"batch {config.batch_size}, threshold {config.threshold}, clip {config.clip}"
     )
     results = list(train.run(config, progress=not args.no_progress))
-    from gradshare import report
+    from gradshare.app import report
 
     print()
     print(report.summary_table(results))
@@ -167,13 +167,13 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _option_names() -> list[str]:
-    """The fields of :class:`gradshare.train.TrainConfig` that are command-line options (all
+    """The fields of :class:`gradshare.app.train.TrainConfig` that are command-line options (all
     but ``runs``: the command runs both)."""
     return [f.name for f in dataclasses.fields(train.TrainConfig) if f.name != "runs"]
 
 
 def _config_options() -> dict[str, dict[str, Any]]:
-    """``add_argument`` keywords for each option field of :class:`gradshare.train.TrainConfig`:
+    """``add_argument`` keywords for each option field of :class:`gradshare.app.train.TrainConfig`:
     its default, its type (a ``Literal``'s values as choices) and its docstring as help."""
     hints = typing.get_type_hints(train.TrainConfig)
     docs = _field_docs(train.TrainConfig)

@@ -4,7 +4,7 @@
 (threads through :class:`~gradshare.ParallelWrapper`, or processes through
 :class:`~gradshare.SharedOptimizer` over gloo), first sharing exact dense updates, then
 threshold-encoded ones, with the same seed, data order and optimizer. Every step of every
-worker is recorded; :mod:`gradshare.report` writes the files and the plot.
+worker is recorded; :mod:`gradshare.app.report` writes the files and the plot.
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
-from gradshare.datasets import Split, digits, minibatches, mlp
-from gradshare.residual import ResidualClipping, ResidualPostProcessor
-from gradshare.threshold import (
+from gradshare.app.datasets import Split, digits, minibatches, mlp
+from gradshare.encoding.residual import ResidualClipping, ResidualPostProcessor
+from gradshare.encoding.threshold import (
     AdaptiveThreshold,
     FixedThreshold,
     TargetDensityThreshold,
@@ -222,7 +222,7 @@ def _row(
 
 
 def _run_parallel(config: TrainConfig, name: str, split: Split, bar: Any) -> RunResult:
-    from gradshare.parallel import ParallelWrapper
+    from gradshare.local.parallel import ParallelWrapper
 
     device = torch.device(config.device)
     result = RunResult(name)
@@ -261,7 +261,7 @@ def _free_port() -> int:
 
 
 def _rank_main(rank: int, config: TrainConfig, name: str, port: int, tmp: str) -> None:
-    from gradshare.distributed import SharedOptimizer
+    from gradshare.distributed.shared_optimizer import SharedOptimizer
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)

@@ -1,8 +1,9 @@
 """The wire format's layout (private): format ids, header words, lengths, the float32 in word 2.
 
 :mod:`gradshare.codec` re-exports the public names; they live here so that the layers below the
-codec (:mod:`gradshare._workspace`, :mod:`gradshare._dispatch`, :mod:`gradshare._torch_paths`)
-can build headers without importing it. See the codec's docstring and docs/design.md §1.
+codec (:mod:`gradshare.codec._workspace`, :mod:`gradshare.codec._dispatch`,
+:mod:`gradshare.codec._torch_paths`) can build headers without importing it. See the codec's
+docstring and docs/design.md §1.
 """
 
 from __future__ import annotations

@@ -12,9 +12,9 @@ header's float is instead m, the mean magnitude of the sent elements (m >= t), a
 Decoding **adds** into its target and validates the whole message first: a bad message raises
 :class:`MessageError` and leaves the target bit-for-bit untouched.
 
-On CPU, float32 and float64 tensors go through fused numba kernels (:mod:`gradshare._kernels`,
+On CPU, float32 and float64 tensors go through fused numba kernels (:mod:`gradshare.codec._kernels`,
 compiled on first use and cached on disk); CUDA tensors, float16 and bfloat16 go through
-vectorised torch ops (:mod:`gradshare._torch_paths`) with the same results. To run everything
+vectorised torch ops (:mod:`gradshare.codec._torch_paths`) with the same results. To run everything
 on the torch ops (and never import numba), set ``GRADSHARE_KERNELS=0`` before importing
 gradshare, or for a block of code::
 
@@ -22,7 +22,8 @@ gradshare, or for a block of code::
         ...
 
 This module holds the public functions and the checks of every argument and message; the work
-is done by :class:`Workspace` (:mod:`gradshare._workspace`) and :mod:`gradshare._dispatch`.
+is done by :class:`Workspace` (:mod:`gradshare.codec._workspace`) and
+:mod:`gradshare.codec._dispatch`.
 
 Example::
 
@@ -46,10 +47,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from gradshare import _dispatch
-from gradshare._dispatch import kernels_enabled, use_kernels
-from gradshare._dispatch import serial_kernels as serial_kernels
-from gradshare._format import (
+from gradshare.codec import _dispatch
+from gradshare.codec._dispatch import kernels_enabled, use_kernels
+from gradshare.codec._dispatch import serial_kernels as serial_kernels
+from gradshare.codec._format import (
     BITMAP_ENCODING,
     F32,
     F32_MAX,
@@ -64,8 +65,8 @@ from gradshare._format import (
     mean_magnitude,
     sparse_length,
 )
-from gradshare._workspace import Workspace as Workspace
-from gradshare._workspace import thread_workspace
+from gradshare.codec._workspace import Workspace as Workspace
+from gradshare.codec._workspace import thread_workspace
 
 __all__ = [
     "BITMAP_ENCODING",

@@ -26,11 +26,11 @@ moved by m; a bitmap takes :func:`bitmap_magnitudes` and :func:`encode_bitmap_st
 (3). The default path runs none of this.
 
 The superblock step of (1) and of the bitmap encode are small LLVM intrinsics, working on one
-vector register at a time (:mod:`gradshare._intrinsics`). Every element sees the same IEEE
-operations as the torch path (:mod:`gradshare._torch_paths`), so results are identical bit for
+vector register at a time (:mod:`gradshare.codec._intrinsics`). Every element sees the same IEEE
+operations as the torch path (:mod:`gradshare.codec._torch_paths`), so results are identical bit for
 bit.
 
-This module imports numba; :mod:`gradshare._dispatch` imports it on first use only, and numba
+This module imports numba; :mod:`gradshare.codec._dispatch` imports it on first use only, and numba
 compiles each kernel on its first call (cached on disk), so importing gradshare compiles nothing.
 """
 
@@ -42,7 +42,7 @@ import types as types_
 import numpy as np
 from numba import njit, prange
 
-from gradshare._intrinsics import make_bitmap_superblock, make_superblock
+from gradshare.codec._intrinsics import make_bitmap_superblock, make_superblock
 
 CHUNK = 1 << 16
 """Elements per parallel chunk (a multiple of 16, so bitmap words never straddle chunks)."""

@@ -13,7 +13,7 @@ DDP's bucket rebuild after the first iteration changes nothing, and a run resume
 checkpoint on a fresh DDP (whose first iteration has another layout) continues bit for bit.
 
 The exchange overlaps with backward, as DDP's own all-reduce does: the hook hands each bucket
-to a background :class:`~gradshare.exchange.Pipeline` and returns at once; the pipeline
+to a background :class:`~gradshare.distributed.exchange.Pipeline` and returns at once; the pipeline
 encodes, exchanges and decodes the buckets one after the other, in the order they became
 ready, over a private twin of the process group (so that its collectives never interleave
 with the ones DDP itself issues from the backward thread).
@@ -22,7 +22,6 @@ with the ones DDP itself issues from the backward thread).
 import copy
 import functools
 import logging
-import struct
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -30,12 +29,11 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from gradshare import codec, threads
-from gradshare._checks import check_int
-from gradshare._flat import slices
-from gradshare.accumulator import to_seconds
-from gradshare.encoder import Encoder
-from gradshare.exchange import (
+from gradshare import codec
+from gradshare._checks import check_int, to_seconds
+from gradshare.codec import multipart
+from gradshare.codec._flat import slices
+from gradshare.distributed.exchange import (
     Pipeline,
     PrivateGroup,
     collective,
@@ -44,8 +42,10 @@ from gradshare.exchange import (
     rank_names,
     take_back,
 )
-from gradshare.residual import ResidualPostProcessor
-from gradshare.threshold import ThresholdAlgorithm, resolve
+from gradshare.distributed.hosts import count_ranks_on_host
+from gradshare.encoding.encoder import Encoder
+from gradshare.encoding.residual import ResidualPostProcessor
+from gradshare.encoding.threshold import ThresholdAlgorithm, resolve
 
 __all__ = ["ThresholdHookState", "register_threshold_hook", "threshold_hook"]
 
@@ -68,8 +68,8 @@ class ThresholdHookState:
     index, position)``: DDP lays its buckets out once from the parameter order (iteration 0 of
     every DDP instance) and rebuilds them after the first iteration from the order in which
     gradients became ready, but the first layout is the same in every process. Each parameter
-    gets its own :class:`~gradshare.encoder.Encoder` (residual, clone of ``threshold``, clone
-    of ``post_processor``) when it first arrives; which bucket it travels in does not matter.
+    gets its own :class:`~gradshare.encoding.encoder.Encoder` (residual, clone of ``threshold``,
+    clone of ``post_processor``) when it first arrives; which bucket it travels in does not matter.
     By default the first iteration all-reduces exact gradients (``start_iter=1``), as the
     PowerSGD hook does.
 
@@ -87,7 +87,7 @@ class ThresholdHookState:
     Args:
         process_group: the group to share over (default: the world).
         threshold: the threshold algorithm, cloned for each parameter (None:
-            :func:`gradshare.threshold.default_threshold`).
+            :func:`gradshare.encoding.threshold.default_threshold`).
         post_processor: residual post-processing, cloned for each parameter.
         boundary: the most entries a parameter's sparse message may carry.
         start_iter: iterations of exact all-reduce before encoding starts (>= 0).
@@ -96,7 +96,7 @@ class ThresholdHookState:
             (t, DL4J's encoder) or ``"mean"`` (the mean magnitude of the parameter's sent
             elements, taken out of its residual exactly).
         timeout: how long a collective may wait for the other ranks (default
-            :data:`gradshare.accumulator.DEFAULT_TIMEOUT`).
+            :data:`gradshare._checks.DEFAULT_TIMEOUT`).
     """
 
     __slots__ = [  # noqa: RUF023 - grouped as settings / state / stats
@@ -162,7 +162,8 @@ class ThresholdHookState:
         self.dense_bytes = 0
         """Bytes the same gradients take dense in float32."""
         self.last_stats: dict[Place, Any] = {}
-        """Per parameter place: the :class:`~gradshare.encoder.EncodeStats` of its last step."""
+        """Per parameter place: the :class:`~gradshare.encoding.encoder.EncodeStats` of its last
+        step."""
 
     def _reset_process_local(self) -> None:
         self._keys: dict[int, Place] = {}  # id(parameter) -> place, in this process
@@ -473,7 +474,7 @@ def _exchange_bucket(
         torch.cuda.set_device(grad.device)
         torch.cuda.current_stream().wait_event(ready)
     if not state._counted:
-        threads.count_ranks_on_host(group)  # once per process, before any kernel runs
+        count_ranks_on_host(group)  # once per process, before any kernel runs
         state._counted = True
     world = dist.get_world_size(group)
     numel = grad.numel()
@@ -578,72 +579,15 @@ def _concatenate(
     sent: list[tuple[torch.Tensor | None, float]], params: list[Param], device: torch.device
 ) -> torch.Tensor | None:
     """Step 2: this rank's message, one piece per parameter (None when all are empty)."""
-    if all(message is None for message, _ in sent):
-        return None
-    return torch.cat([
-        _empty_message(n, t, device) if message is None else message
-        for (_, n), (message, t) in zip(params, sent, strict=True)
-    ])  # fmt: skip
-
-
-_F32, _I32 = struct.Struct("<f"), struct.Struct("<i")
-
-
-def _empty_message(numel: int, t: float, device: torch.device) -> torch.Tensor:
-    """A sparse message of no entries for ``numel`` elements: ``[0, N, bits(t), 0]``."""
-    bits = _I32.unpack(_F32.pack(t))[0]
-    header = [0, numel, bits, codec.FLEXIBLE_ENCODING]
-    return torch.tensor(header, dtype=torch.int32, device=device)
+    return multipart.join_messages(
+        [m for m, _ in sent], [n for _, n in params], [t for _, t in sent], device
+    )
 
 
 def _split(message: torch.Tensor | None, params: list[Param], name: str) -> list[Any]:
-    """Step 4: cut ``name``'s message into one piece per parameter by the pieces' headers
-    and validate each whole; None for a parameter that sent nothing.
-
-    Raises:
-        MessageError: a piece is invalid for its parameter, runs past the message's end, or
-            words are left over, naming ``name`` and the parameter.
-    """
-    if message is None:
-        return [None] * len(params)
-    if message.dtype != torch.int32 or message.dim() != 1:
-        raise codec.MessageError(f"Message from {name} is not a 1-D int32 tensor.")
-    words = message.cpu().numpy()  # the headers are read here (no copy on CPU)
-    length = len(words)
-    pieces: list[Any] = []
-    pos = 0
-    for place, n in params:
-        where = f"Message from {name}, piece of parameter {place} ({n} elements) at word {pos}"
-        if pos + codec.HEADER_WORDS > length:
-            raise codec.MessageError(
-                f"{where}: the message ends at word {length}, before this piece's header; it "
-                "holds fewer pieces than the bucket has parameters."
-            )
-        first, _, _, fmt = (int(w) for w in words[pos : pos + codec.HEADER_WORDS])
-        if fmt == codec.BITMAP_ENCODING:
-            size = codec.bitmap_length(n)
-        elif fmt == codec.FLEXIBLE_ENCODING and first >= 0:
-            size = codec.sparse_length(first)
-        else:
-            size = codec.HEADER_WORDS  # check_message names the fault
-        if pos + size > length:
-            raise codec.MessageError(
-                f"{where}: the piece's header says {size} words, past the message's end at "
-                f"word {length}."
-            )
-        piece = message[pos : pos + size]
-        try:
-            codec.check_message(piece, n)
-        except codec.MessageError as e:
-            raise codec.MessageError(f"{where} is invalid: {e}") from None
-        pieces.append(None if fmt == codec.FLEXIBLE_ENCODING and first == 0 else piece)
-        pos += size
-    if pos != length:
-        raise codec.MessageError(
-            f"Message from {name} has {length - pos} word(s) left over after the pieces of "
-            f"its bucket's {len(params)} parameters (which end at word {pos})."
-        )
-    return pieces
+    """Step 4: cut ``name``'s message into one piece per parameter and validate each whole
+    (:func:`gradshare.codec.multipart.split_message`); None for a parameter that sent nothing."""
+    return multipart.split_message(message, [n for _, n in params], name, [p for p, _ in params])
 
 
 def _mask_(velocity: torch.Tensor, message: torch.Tensor) -> None:

@@ -1,9 +1,9 @@
 """The codec's steps as vectorised torch ops (private): the CUDA path and the fallback.
 
-Every function here computes what its fused kernel in :mod:`gradshare._kernels` computes, with
+Every function here computes what its fused kernel in :mod:`gradshare.codec._kernels` computes, with
 the same IEEE operations per element, so the two paths agree bit for bit (tests/test_kernels.py
-checks it). :mod:`gradshare._dispatch` and :mod:`gradshare._workspace` choose between them:
-CUDA tensors, float16 and bfloat16 always come here, and so does everything while
+checks it). :mod:`gradshare.codec._dispatch` and :mod:`gradshare.codec._workspace` choose between
+them: CUDA tensors, float16 and bfloat16 always come here, and so does everything while
 :func:`gradshare.codec.use_kernels` is off. float16 and bfloat16 values are computed in float32
 and rounded back. Nothing here imports numba.
 """
@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from gradshare._format import (
+from gradshare.codec._format import (
     BITMAP_ENCODING,
     F32_MAX,
     FLEXIBLE_ENCODING,

@@ -20,12 +20,13 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from gradshare import codec, threads
+from gradshare import codec
 from gradshare._checks import check_int
-from gradshare._flat import views
-from gradshare.accumulator import AccumulatorError, EncodedGradientsAccumulator
-from gradshare.residual import ResidualPostProcessor
-from gradshare.threshold import ThresholdAlgorithm
+from gradshare.codec import threads
+from gradshare.codec._flat import views
+from gradshare.encoding.residual import ResidualPostProcessor
+from gradshare.encoding.threshold import ThresholdAlgorithm
+from gradshare.local.accumulator import AccumulatorError, EncodedGradientsAccumulator
 
 __all__ = ["ParallelWrapper", "StepStats"]
 
@@ -77,7 +78,7 @@ class ParallelWrapper:
         loss_fn: ``(output, target) -> scalar loss``.
         num_workers: replicas and threads.
         threshold: the threshold algorithm (cloned per worker; None:
-            :func:`gradshare.threshold.default_threshold`).
+            :func:`gradshare.encoding.threshold.default_threshold`).
         dense: share exact dense updates instead, the oracle the encoded mode is compared to.
         post_processor: residual post-processing (cloned per worker).
         devices: one device per worker; default one per GPU when several are present, else
@@ -86,7 +87,7 @@ class ParallelWrapper:
         boundary: the most entries a sparse message may carry.
         magnitude: what each sent entry carries (see :class:`~gradshare.Encoder`).
         timeout: seconds (or a timedelta) a worker waits for the others before failing
-            (default :data:`gradshare.accumulator.DEFAULT_TIMEOUT`).
+            (default :data:`gradshare._checks.DEFAULT_TIMEOUT`).
 
     Example::
 

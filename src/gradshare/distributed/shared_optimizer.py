@@ -1,8 +1,8 @@
 """Update sharing over torch.distributed: SharedOptimizer (docs/design.md §6).
 
 Each rank's own optimizer steps on its local gradient; the update it made is threshold-encoded
-with error feedback, the messages of all ranks are exchanged (:mod:`gradshare.exchange`: int32
-messages all-gathered, nothing pickled, each validated whole before any element is decoded),
+with error feedback, the messages of all ranks are exchanged (:mod:`gradshare.distributed.exchange`:
+int32 messages all-gathered, nothing pickled, each validated whole before any element is decoded),
 and every rank applies the same decoded sum, so the replicas stay bit-identical.
 """
 
@@ -26,20 +26,21 @@ import torch.distributed as dist
 # any group exists, those defaults are None.
 import torch.distributed.nn.functional
 
-from gradshare import codec, threads
-from gradshare._flat import views
-from gradshare.accumulator import to_seconds
-from gradshare.encoder import Encoder, EncodeStats
-from gradshare.exchange import (
+from gradshare import codec
+from gradshare._checks import to_seconds
+from gradshare.codec._flat import views
+from gradshare.distributed.exchange import (
     PrivateGroup,
     collective,
     exchange_messages,
     rank_names,
     take_back,
 )
-from gradshare.nodes import broadcast_messages, node_layout
-from gradshare.residual import ResidualPostProcessor
-from gradshare.threshold import ThresholdAlgorithm, resolve_or_dense
+from gradshare.distributed.hosts import count_ranks_on_host
+from gradshare.distributed.nodes import broadcast_messages, node_layout
+from gradshare.encoding.encoder import Encoder, EncodeStats
+from gradshare.encoding.residual import ResidualPostProcessor
+from gradshare.encoding.threshold import ThresholdAlgorithm, resolve_or_dense
 
 if TYPE_CHECKING:
     from torch.nn.parallel import DistributedDataParallel
@@ -122,7 +123,7 @@ class SharedOptimizer(torch.optim.Optimizer):
     Args:
         optimizer: any ``torch.optim`` optimizer over the model's parameters.
         threshold: the threshold algorithm (cloned; each rank keeps its own state; None:
-            :func:`gradshare.threshold.default_threshold`).
+            :func:`gradshare.encoding.threshold.default_threshold`).
         dense: all-reduce the exact dense updates instead (the oracle to compare with).
         post_processor: residual post-processing.
         process_group: the group to share over (default: the world).
@@ -130,7 +131,7 @@ class SharedOptimizer(torch.optim.Optimizer):
             with ``ddp=`` (DDP averaged the gradients, so the learning rate tuned for it stays
             right), else ``"sum"``.
         timeout: how long a collective may wait for the other ranks before raising (default
-            :data:`gradshare.accumulator.DEFAULT_TIMEOUT`).
+            :data:`gradshare._checks.DEFAULT_TIMEOUT`).
         magnitude: what each sent entry carries, passed to the :class:`~gradshare.Encoder`:
             ``"threshold"`` (t) or ``"mean"`` (the mean magnitude of the sent elements).
         ddp: the ``DistributedDataParallel`` model these parameters belong to, for a model
@@ -234,7 +235,7 @@ class SharedOptimizer(torch.optim.Optimizer):
         self._update = torch.empty_like(self._before)
         self._scratch = torch.zeros_like(self._before)
         """Zeros, for :func:`gradshare.codec.subtract_sum_`."""
-        threads.count_ranks_on_host(self._private.get())  # the kernels' share of the host
+        count_ranks_on_host(self._private.get())  # the kernels' share of the host
         self._broadcast_from_rank0(params)
         if ddp is not None:
             ddp.register_comm_hook(None, _local_gradient_hook)

@@ -4,7 +4,7 @@ leader hands the messages of all nodes to the other ranks of its node (docs/desi
 A node is a run of ``node_size`` consecutive ranks, as torchrun numbers them (rank =
 node rank x ``LOCAL_WORLD_SIZE`` + ``LOCAL_RANK``); its first rank is its leader. Over
 torch.distributed only int64 headers and int32 messages travel, as in
-:func:`gradshare.exchange.exchange_messages`.
+:func:`gradshare.distributed.exchange.exchange_messages`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gradshare.exchange import ExchangeError, collective, largest_message
+from gradshare.distributed.exchange import ExchangeError, collective, largest_message
 
 __all__ = ["NodeLayout", "broadcast_messages", "node_layout"]
 

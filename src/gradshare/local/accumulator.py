@@ -20,25 +20,19 @@ from typing import Any, Literal
 import torch
 
 from gradshare import codec
-from gradshare._checks import check_int
-from gradshare._flat import views
-from gradshare.encoder import Encoder, EncodeStats
-from gradshare.residual import ResidualPostProcessor
-from gradshare.tail import IndexedTail
-from gradshare.threshold import ThresholdAlgorithm, resolve_or_dense
+from gradshare._checks import check_int, to_seconds
+from gradshare.codec._flat import views
+from gradshare.encoding.encoder import Encoder, EncodeStats
+from gradshare.encoding.residual import ResidualPostProcessor
+from gradshare.encoding.threshold import ThresholdAlgorithm, resolve_or_dense
+from gradshare.local.tail import IndexedTail
 
 __all__ = [
-    "DEFAULT_TIMEOUT",
     "AccumulatorError",
     "EncodedGradientsAccumulator",
     "optimal_buffer_size",
-    "to_seconds",
 ]
 
-DEFAULT_TIMEOUT = 300.0
-"""Seconds a party, rank or collective waits for the others when no timeout is given: the one
-default of every gradshare component (long enough for a slow step, short enough that a lost
-peer is noticed within minutes, not torch.distributed's 30)."""
 DEFAULT_QUEUE_SIZE = 2
 """Rounds of messages a party's queue holds when no ``queue_size`` is given (DL4J's default)."""
 
@@ -56,18 +50,6 @@ def optimal_buffer_size(num_params: int, num_workers: int, queue_size: int) -> i
     ):
         check_int(value, name)
     return ((num_params // 16) + 65536) * num_workers * queue_size * 4
-
-
-def to_seconds(timeout: float | timedelta | None, name: str = "timeout") -> float:
-    """``timeout`` as seconds (None → :data:`DEFAULT_TIMEOUT`); must be finite and > 0."""
-    if timeout is None:
-        return DEFAULT_TIMEOUT
-    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
-    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
-        raise ValueError(f"Expect `{name}` as seconds > 0 or a timedelta, got {timeout!r}.")
-    if seconds == float("inf"):
-        raise ValueError(f"Expect a finite `{name}`: an infinite wait can hang, got {timeout!r}.")
-    return float(seconds)
 
 
 class AccumulatorError(RuntimeError):
@@ -92,7 +74,7 @@ class EncodedGradientsAccumulator:
     Args:
         num_parties: how many parties (workers) there are.
         threshold: the threshold algorithm, cloned for each party (None:
-            :func:`gradshare.threshold.default_threshold`).
+            :func:`gradshare.encoding.threshold.default_threshold`).
         dense: share the exact dense updates instead of encoded ones (the oracle).
         post_processor: residual post-processing, cloned for each party.
         boundary: the most entries a sparse message may carry.

@@ -10,11 +10,11 @@ from typing import Any, Literal
 from lightning.pytorch.strategies import DDPStrategy
 from torch.nn.parallel import DistributedDataParallel
 
-from gradshare.ddp_hook import ThresholdHookState, register_threshold_hook
-from gradshare.distributed import SharedOptimizer
-from gradshare.integrations import lightning_rank_file, load_rank_state, save_rank_state
-from gradshare.residual import ResidualPostProcessor
-from gradshare.threshold import ThresholdAlgorithm
+from gradshare.distributed.ddp_hook import ThresholdHookState, register_threshold_hook
+from gradshare.distributed.shared_optimizer import SharedOptimizer
+from gradshare.encoding.residual import ResidualPostProcessor
+from gradshare.encoding.threshold import ThresholdAlgorithm
+from gradshare.integrations.rank_files import lightning_rank_file, load_rank_state, save_rank_state
 
 __all__ = ["GradshareDDPStrategy"]
 
@@ -46,7 +46,7 @@ class GradshareDDPStrategy(DDPStrategy):
         boundary, start_iter: the hook's (:class:`~gradshare.ThresholdHookState`).
         reduction: SharedOptimizer's ``"sum"`` or ``"mean"`` over ranks.
         gradshare_timeout: how long gradshare's collectives wait for the other ranks (default
-            :data:`gradshare.accumulator.DEFAULT_TIMEOUT`; DDPStrategy's own ``timeout`` is
+            :data:`gradshare._checks.DEFAULT_TIMEOUT`; DDPStrategy's own ``timeout`` is
             the process group's).
         **kwargs: :class:`lightning.pytorch.strategies.DDPStrategy`'s (``process_group_backend``,
             ``start_method``, ``timeout``, DDP's own keywords, ...), except ``ddp_comm_hook``.

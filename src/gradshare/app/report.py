@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from gradshare.train import RunResult, TrainConfig
+from gradshare.app.train import RunResult, TrainConfig
 
 __all__ = ["COLUMNS", "summary_table", "write_outputs", "write_tensorboard"]
 

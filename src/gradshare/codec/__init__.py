@@ -1,0 +1,91 @@
+"""The wire format: DL4J's threshold-encoded messages, their validation, and the kernels.
+
+What lives here:
+
+- :mod:`~gradshare.codec.messages`: encode a residual in place into an int32 message (sparse
+  signed indices, or DL4J's 2-bit bitmap), validate a message whole, decode (adding) into a
+  target; ``MessageError``. Byte-compatible with DL4J (docs/wire-format.md).
+- :mod:`~gradshare.codec.multipart`: several vectors' messages sent back to back as one.
+- private: ``_format`` (layout constants), ``_workspace`` (the encode workspace),
+  ``_dispatch`` (kernel or torch path), ``_kernels`` / ``_intrinsics`` (numba, compiled on
+  first use), ``_torch_paths`` (the same steps as torch ops), ``_flat`` (views of a flat
+  vector); :mod:`~gradshare.codec.threads` sizes the kernels' threads.
+
+May import: torch, numpy, numba, and ``gradshare._checks``; nothing else of gradshare.
+Importing it starts nothing (numba loads at the first kernel call).
+"""
+
+from gradshare.codec.messages import (
+    BITMAP_ENCODING,
+    FLEXIBLE_ENCODING,
+    HEADER_WORDS,
+    MAGNITUDES,
+    MAX_NUMEL,
+    MessageError,
+    MessageInfo,
+    bitmap_length,
+    check_message,
+    decode_,
+    decode_sum_,
+    encode_bitmap_,
+    encode_sparse_,
+    kernels_enabled,
+    mean_magnitude,
+    message_info,
+    sparse_length,
+    subtract_sum_,
+    take_update_,
+    use_kernels,
+)
+from gradshare.codec.messages import (
+    Workspace as Workspace,
+)
+from gradshare.codec.messages import (
+    check_boundary as check_boundary,
+)
+from gradshare.codec.messages import (
+    check_magnitude as check_magnitude,
+)
+from gradshare.codec.messages import (
+    check_vector as check_vector,
+)
+from gradshare.codec.messages import (
+    find_nonfinite as find_nonfinite,
+)
+from gradshare.codec.messages import (
+    float32_threshold as float32_threshold,
+)
+from gradshare.codec.messages import (
+    nonfinite_error as nonfinite_error,
+)
+from gradshare.codec.messages import (
+    serial_kernels as serial_kernels,
+)
+from gradshare.codec.messages import (
+    shares_memory as shares_memory,
+)
+
+__all__ = [
+    "BITMAP_ENCODING",
+    "FLEXIBLE_ENCODING",
+    "HEADER_WORDS",
+    "MAGNITUDES",
+    "MAX_NUMEL",
+    "MessageError",
+    "MessageInfo",
+    "bitmap_length",
+    "check_message",
+    "decode_",
+    "decode_sum_",
+    "encode_bitmap_",
+    "encode_sparse_",
+    "kernels_enabled",
+    "mean_magnitude",
+    "message_info",
+    "sparse_length",
+    "subtract_sum_",
+    "take_update_",
+    "use_kernels",
+]
+# Also here, for gradshare's own modules (not public API): Workspace, serial_kernels, the
+# check_* helpers, float32_threshold, shares_memory, find_nonfinite, nonfinite_error.

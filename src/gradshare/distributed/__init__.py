@@ -1,0 +1,19 @@
+"""Sharing across processes over torch.distributed (gloo on CPU, NCCL on CUDA).
+
+What lives here:
+
+- :mod:`~gradshare.distributed.exchange`: the all-gather of every rank's int32 message (sizes
+  first, nothing pickled), the private groups with gradshare's timeout, the ordered pipeline.
+- :mod:`~gradshare.distributed.shared_optimizer`: ``SharedOptimizer``, every rank's optimizer
+  update encoded and shared (DL4J's mode), flat or hierarchical (:mod:`.nodes`).
+- :mod:`~gradshare.distributed.ddp_hook`: the DDP communication hook that encodes gradients.
+- :mod:`~gradshare.distributed.hosts`, ``_inflight``: ranks per host; collectives in flight at
+  exit.
+
+May import: :mod:`gradshare.encoding`, :mod:`gradshare.codec`, ``gradshare._checks``; never
+:mod:`gradshare.local`, :mod:`gradshare.integrations` or :mod:`gradshare.app`.
+"""
+
+from gradshare.distributed.shared_optimizer import SharedOptimizer
+
+__all__ = ["SharedOptimizer"]
