@@ -27,6 +27,7 @@ from gradshare.ddp_hook import ThresholdHookState, register_threshold_hook, thre
 from gradshare.distributed import SharedOptimizer
 from gradshare.encoder import Encoder, EncodeStats
 from gradshare.exchange import ExchangeError, exchange_messages
+from gradshare.local_steps import LocalSteps
 from gradshare.parallel import ParallelWrapper, StepStats
 from gradshare.residual import NoResidualProcessing, ResidualClipping, ResidualPostProcessor
 from gradshare.tail import IndexedTail
@@ -73,6 +74,7 @@ __all__ = [
     "StepStats",
     # across processes: torch.distributed
     "ExchangeError",
+    "LocalSteps",
     "SharedOptimizer",
     "exchange_messages",
     # for DDP users
