@@ -10,6 +10,7 @@ loop is unchanged: the sync runs in a step post-hook of the inner optimizer.
 
 from __future__ import annotations
 
+import copy
 import logging
 import struct
 import zlib
@@ -522,9 +523,7 @@ class LocalSteps:
             if probe.residual is not None:
                 probe.residual = probe.residual.to(self.home)
             probes.append(probe)
-        clones = [g.detach().clone() for g in self.global_params]
-        outer = type(self.outer)(clones, **self.outer.defaults)
-        outer.load_state_dict(state["outer"])  # refuses another optimizer's state
+        copy.deepcopy(self.outer).load_state_dict(state["outer"])  # refuses another's state
         # everything checked: change
         self.outer.load_state_dict(state["outer"])
         for g, t in zip(self.global_params, glob, strict=True):
