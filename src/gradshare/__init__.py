@@ -38,6 +38,7 @@ from gradshare.distributed.ddp_hook import (
     threshold_hook,
 )
 from gradshare.distributed.exchange import ExchangeError, exchange_messages
+from gradshare.distributed.local_steps import LocalSteps
 from gradshare.distributed.shared_optimizer import SharedOptimizer
 from gradshare.encoding.encoder import Encoder, EncodeStats
 from gradshare.encoding.residual import (
@@ -97,6 +98,7 @@ __all__ = [
     "StepStats",
     # across processes: torch.distributed
     "ExchangeError",
+    "LocalSteps",
     "SharedOptimizer",
     "exchange_messages",
     # for DDP users

@@ -1,0 +1,137 @@
+"""Train an MLP on digits with local steps and sparse syncs (LocalSteps), launched by torchrun.
+
+    torchrun --standalone --nproc_per_node=2 examples/local_steps.py
+    torchrun --standalone --nproc_per_node=2 examples/local_steps.py \
+        --checkpoint-dir ckpt --save-every 10     # kill it, run it again: it resumes
+    torchrun --standalone --nproc_per_node=2 --max-restarts=1 examples/local_steps.py \
+        --checkpoint-dir ckpt --crash-at-step 12  # a rank dies; torchrun restarts, it resumes
+
+Each rank trains its own replica with AdamW on its own share of the minibatches; every 10 inner
+steps the replicas' moves are threshold-encoded with error feedback, exchanged, averaged into
+the global copy by the outer optimizer, and every replica restarts from it. The training loop
+is an ordinary one: LocalSteps hooks ``inner.step()``. With ``--checkpoint-dir`` every rank
+saves its model, inner optimizer and LocalSteps state every ``--save-every`` steps and resumes
+from the newest step every rank saved, under ``torchrun --max-restarts`` too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.nn import functional as F
+
+import gradshare
+from gradshare.app.datasets import digits, minibatches, mlp
+
+
+def schedule(split, epochs: int, batch_size: int, rank: int, world: int) -> list:
+    """This rank's minibatches: every epoch shuffled alike on all ranks, dealt out evenly."""
+    out = []
+    for epoch in range(epochs):
+        batches = minibatches(split.x_train, split.y_train, batch_size, seed=epoch)
+        out += batches[: len(batches) // world * world][rank::world]
+    return out
+
+
+def latest_complete(ckpt: Path, world: int) -> int:
+    """The newest step for which every rank's checkpoint exists (0 if none)."""
+    steps = [
+        int(d.name[4:])
+        for d in ckpt.glob("step*")
+        if all((d / f"rank{r}.pt").exists() for r in range(world))
+    ]
+    return max(steps, default=0)
+
+
+def save(ckpt: Path, step: int, rank: int, model, inner, sync) -> None:
+    d = ckpt / f"step{step:06d}"
+    d.mkdir(parents=True, exist_ok=True)
+    state = {"model": model.state_dict(), "inner": inner.state_dict(), "sync": sync.state_dict()}
+    torch.save(state, d / f".rank{rank}.pt")
+    (d / f".rank{rank}.pt").rename(d / f"rank{rank}.pt")  # a rank file exists only whole
+
+
+def init_distributed() -> None:
+    """``init_process_group("gloo")``; under torchrun's agent store, with a key prefix per
+    restart attempt (a restarted attempt would otherwise read the dead one's addresses)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        dist.init_process_group("gloo")
+        return
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          is_master=False, timeout=timedelta(seconds=300))  # fmt: skip
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"attempt{attempt}/", store),
+                            rank=int(os.environ["RANK"]),
+                            world_size=int(os.environ["WORLD_SIZE"]))  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=None, help="stop after this many steps")
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--sync-every", type=int, default=10)
+    parser.add_argument("--checkpoint-dir", type=Path, default=None)
+    parser.add_argument("--save-every", type=int, default=10)
+    parser.add_argument("--out", type=str, default=None, help="rank 0 saves the parameters here")
+    parser.add_argument("--crash-at-step", type=int, default=None,
+                        help="the last rank dies at this step (first attempt only)")  # fmt: skip
+    args = parser.parse_args()
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    init_distributed()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    split = digits(seed=0)
+    model = mlp(split.num_features, split.num_classes, hidden=64, seed=0)
+    inner = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    sync = gradshare.LocalSteps(model, inner, sync_every=args.sync_every)  # the added line
+    batches = schedule(split, args.epochs, args.batch_size, rank, world)
+    steps = len(batches) if args.steps is None else min(args.steps, len(batches))
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    start = 0
+    if args.checkpoint_dir is not None:
+        start = latest_complete(args.checkpoint_dir, world)
+        if start:
+            path = args.checkpoint_dir / f"step{start:06d}" / f"rank{rank}.pt"
+            state = torch.load(path, weights_only=True)
+            model.load_state_dict(state["model"])
+            inner.load_state_dict(state["inner"])
+            sync.load_state_dict(state["sync"])
+            if rank == 0:
+                print(f"resumed from step {start}")
+    for step in range(start, steps):
+        if step == args.crash_at_step and rank == world - 1 and first_attempt:
+            os._exit(1)  # a worker dies (tests use this)
+        x, y = batches[step]
+        loss = F.cross_entropy(model(x), y)
+        inner.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        inner.step()  # every sync_every-th step ends with a sync
+        done = step + 1
+        if args.checkpoint_dir is not None and done % args.save_every == 0:
+            save(args.checkpoint_dir, done, rank, model, inner, sync)
+        if rank == 0 and (done % 50 == 0 or done == steps):
+            print(f"step {done:4d}  loss {loss.item():.4f}  syncs {sync.syncs}")
+    with torch.no_grad():
+        accuracy = (model(split.x_test).argmax(1) == split.y_test).float().mean().item()
+    if args.out is not None and rank == 0:
+        torch.save(torch.cat([p.detach().reshape(-1) for p in model.parameters()]), args.out)
+    if rank == 0:
+        print(f"test accuracy {accuracy:.4f}")
+        print(
+            f"step {steps}: rank 0 sent {sync.bytes_sent:,} B vs {sync.dense_bytes:,} B dense "
+            f"({sync.dense_bytes / max(sync.bytes_sent, 1):.0f}x less)"
+        )
+    sync.close()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

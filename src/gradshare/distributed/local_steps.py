@@ -1,0 +1,635 @@
+"""Local steps with sparse, error-feedback syncs: DiLoCo / SparseLoCo on gradshare's codec.
+
+Each rank holds a full replica of the model and trains it alone with its own (inner) optimizer
+for ``sync_every`` steps; then every rank sends how far its replica moved from the shared
+*global copy*, threshold-encoded with error feedback (DL4J's messages), and every rank applies
+the same averaged move to the global copy with an outer optimizer and starts again from it
+(Douillard et al. 2023, DiLoCo; SparseLoCo: top-k with error feedback on that move). The user's
+loop is unchanged: the sync runs in a step post-hook of the inner optimizer.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import struct
+import zlib
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+
+# Imported before any process group exists (see gradshare.distributed for why).
+import torch.distributed.nn.functional
+
+from gradshare import codec
+from gradshare._checks import to_seconds
+from gradshare.codec import multipart
+from gradshare.codec._flat import slices
+from gradshare.distributed.exchange import (
+    PrivateGroup,
+    collective,
+    exchange_messages,
+    largest_message,
+    rank_names,
+    take_back,
+)
+from gradshare.encoding.encoder import Encoder
+from gradshare.encoding.threshold import BITMAP_DENSITY, QuantileThreshold, ThresholdAlgorithm
+
+__all__ = ["DEFAULT_DECAY", "DEFAULT_DENSITY", "DEFAULT_OUTER_LR", "LocalSteps"]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_DENSITY = 0.04
+"""The fraction of each parameter's elements a sync sends by default (QuantileThreshold)."""
+DEFAULT_DECAY = 0.95
+"""β, the residual decay of every sync by default (SparseLoCo's error-feedback decay)."""
+DEFAULT_OUTER_LR = 1.4
+"""The learning rate of the default outer optimizer, plain SGD without momentum (to be settled
+by a benchmark; the one place it is set)."""
+FORMAT_VERSION = 1
+"""The version of :meth:`LocalSteps.state_dict`'s layout."""
+
+OuterFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
+
+# The sync header: one int64 per field, all-gathered before every sync (and at construction).
+_FIELDS = (
+    "round",
+    "status",
+    "bad_parameter",
+    "sync_every",
+    "density",
+    "decay",
+    "dense",
+    "threshold",
+    "outer_optimizer",
+    "world_size",
+    "num_params",
+    "shapes",
+    "grad_scaler",
+)
+_SETTINGS = _FIELDS[3:]
+_FLOATS = {"density", "decay"}
+_OK, _NONFINITE, _FAILED = 0, 1, 2
+_D, _Q = struct.Struct("<d"), struct.Struct("<q")
+
+
+def _bits(x: float) -> int:
+    return int(_Q.unpack(_D.pack(float(x)))[0])
+
+
+def _float(bits: int) -> float:
+    return float(_D.unpack(_Q.pack(bits))[0])
+
+
+def _crc(text: str) -> int:
+    return zlib.crc32(text.encode())
+
+
+def _default_outer(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=DEFAULT_OUTER_LR)
+
+
+class LocalSteps:
+    """Sync replicas every ``sync_every`` inner steps with sparse, error-feedback messages.
+
+    Each rank trains its own replica; every ``sync_every``-th ``inner_optimizer.step()``
+    ends with a sync, on every rank:
+
+    1. Δ = global - local, per parameter (the *outer gradient*: how far the replica moved);
+       every rank tells the others (a small int64 header) its round, its settings and
+       whether its Δ is finite; a difference, or a non-finite Δ anywhere, raises the same
+       error on every rank before anything changes;
+    2. residual = β·residual + Δ (β = ``decay``; β = 1 is DL4J's residual);
+    3. the residual is threshold-encoded (one :class:`~gradshare.Encoder` per parameter,
+       :class:`~gradshare.QuantileThreshold` of ``density`` by default; sparse indices, or a
+       bitmap when too many cross): what is sent leaves the residual, the rest waits;
+    4. every rank's message (its parameters' pieces back to back) is all-gathered;
+    5. every piece is validated whole, and the pieces are decoded in rank order into their
+       sum, divided by the world size: the average outer gradient, alike on every rank;
+    6. the outer optimizer steps the global copy with that average as its gradient;
+    7. the global copy is copied into the model: replicas are bit-identical after a sync.
+
+    With ``dense=True`` (or ``density=1.0``) step 2-5 are an exact float32 all-reduce of Δ
+    (DiLoCo); with ``outer_optimizer=lambda p: torch.optim.SGD(p, lr=1.0)`` a dense sync
+    leaves every replica at the mean of the ranks' replicas.
+
+    Tuning: ``density`` sets the bytes (``bytes_sent`` vs ``dense_bytes``); ``decay`` < 1
+    forgets stale residual mass; the outer learning rate (default
+    :data:`DEFAULT_OUTER_LR`) scales each merge.
+
+    Mixed precision: ``torch.amp.GradScaler`` skips ``inner.step()`` on a rank whose
+    gradients overflowed, so counting inner steps would put that rank's syncs one step
+    later than the others' (and the others would wait out the timeout). Pass
+    ``grad_scaler=scaler``: iterations are then counted by ``scaler.update()``, which every
+    rank calls every iteration, and a rank whose step was skipped still syncs when due.
+
+    Args:
+        model: this rank's replica (not wrapped in DistributedDataParallel). Rank 0's
+            parameters are broadcast at construction, so the replicas start equal.
+        inner_optimizer: the optimizer the training loop steps (its ``step`` is hooked).
+        sync_every: inner steps between syncs (H), an int >= 1.
+        density: the fraction of each parameter's elements a sync sends, in (0, 1/16), or 1.0
+            for dense syncs.
+        decay: β, the residual's decay before each sync, in [0, 1].
+        dense: exact float32 syncs (no encoding, no residual).
+        threshold: a threshold algorithm to use instead of ``QuantileThreshold(density)``
+            (cloned per parameter).
+        magnitude: what each sent entry carries (:class:`~gradshare.Encoder`).
+        outer_optimizer: a callable taking the global copy's tensors and returning the outer
+            optimizer (default: ``SGD(params, lr=DEFAULT_OUTER_LR)``, no momentum).
+        offload: keep the global copy, residuals and outer state on the CPU.
+        overlap: exchange in the background during the next local steps (not implemented
+            yet: must be False).
+        grad_scaler: the run's ``torch.amp.GradScaler``, to count iterations by its
+            ``update()`` (see above).
+        timeout: seconds (or a timedelta) a sync waits for the other ranks (default
+            :data:`gradshare._checks.DEFAULT_TIMEOUT`).
+        group: the process group (default: the world).
+
+    Example::
+
+        >>> inner = torch.optim.AdamW(model.parameters(), lr=1e-3)  # doctest: +SKIP
+        >>> with LocalSteps(model, inner, sync_every=10) as sync:  # doctest: +SKIP
+        ...     for x, y in loader:
+        ...         inner.zero_grad(); loss_fn(model(x), y).backward(); inner.step()
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        inner_optimizer: torch.optim.Optimizer,
+        sync_every: int,
+        *,
+        density: float = DEFAULT_DENSITY,
+        decay: float = DEFAULT_DECAY,
+        dense: bool = False,
+        threshold: ThresholdAlgorithm | None = None,
+        magnitude: Literal["threshold", "mean"] = "threshold",
+        outer_optimizer: OuterFactory | None = None,
+        offload: bool = False,
+        overlap: bool = False,
+        grad_scaler: Any = None,
+        timeout: float | timedelta | None = None,
+        group: Any = None,
+    ) -> None:
+        _check_arguments(model, inner_optimizer, sync_every, density, decay, threshold, overlap)
+        if dense and threshold is not None:
+            raise ValueError(
+                f"Expect no `threshold` with `dense=True` (dense syncs send Δ exactly), got "
+                f"{threshold!r}: drop one of them."
+            )
+        codec.check_magnitude(magnitude)
+        if grad_scaler is not None and not callable(getattr(grad_scaler, "update", None)):
+            raise TypeError(
+                f"Expect `grad_scaler` to be a torch.amp.GradScaler, got "
+                f"{type(grad_scaler).__name__}."
+            )
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "LocalSteps needs a process group: call torch.distributed.init_process_group() "
+                "first (torchrun sets the environment)."
+            )
+        # settings
+        self.sync_every = sync_every
+        self.dense = bool(dense) or (threshold is None and density == 1.0)
+        self.density = None if threshold is not None else 1.0 if self.dense else float(density)
+        self.decay = float(decay)
+        self.magnitude = magnitude
+        self.offload = bool(offload)
+        self.timeout = timedelta(seconds=to_seconds(timeout))
+        self.group = group
+        self.model = model
+        self.inner = inner_optimizer
+        self.names = [name for name, _ in model.named_parameters()]
+        self.params = [p for _, p in model.named_parameters()]
+        self.numel = sum(p.numel() for p in self.params)
+        self.device = self.params[0].device
+        """Where the collectives run (the model's device)."""
+        self.home = torch.device("cpu") if self.offload else self.device
+        """Where the global copy, residuals and outer state live."""
+        self._threshold = threshold
+        self._private = PrivateGroup(group, self.timeout)
+        self._world = dist.get_world_size(group)
+        self._rank = dist.get_rank(group)
+        # state
+        self.steps = 0
+        """Inner iterations counted (steps, or ``update()`` calls with a grad scaler)."""
+        self.syncs = 0
+        """Syncs completed: the round number of the next one."""
+        # stats
+        self.bytes_sent = 0
+        """Bytes of the messages this rank sent (dense syncs: 4 per element)."""
+        self.dense_bytes = 0
+        """Bytes the same syncs take sent dense in float32."""
+
+        outer = outer_optimizer or _default_outer
+        probe_outer = outer([torch.zeros(1)])  # its settings, for the header
+        self._outer_text = _optimizer_text(probe_outer)
+        self._scaler_counts = grad_scaler is not None
+        self._header_exchange("construction")  # settings agree on every rank before anything
+        self._broadcast_from_rank0()
+        self.global_params = [
+            p.detach().to(self.home, copy=True).requires_grad_(False) for p in self.params
+        ]
+        """The global copy: the parameters every replica starts each round from."""
+        self.outer = outer(self.global_params)
+        self.encoders: list[Encoder] = [] if self.dense else [
+            Encoder(self._algorithm(), magnitude=magnitude) for _ in self.params
+        ]  # fmt: skip
+        """Per parameter: its residual and threshold state (none for dense syncs)."""
+        self._delta = torch.zeros(self.numel, dtype=torch.float32, device=self.home)
+        self._mean = torch.zeros_like(self._delta)
+        self._scaler = grad_scaler
+        self._handle: Any = None
+        if grad_scaler is None:
+            self._handle = inner_optimizer.register_step_post_hook(self._after_step)
+        else:
+            update = grad_scaler.update
+
+            def counted_update(new_scale: Any = None) -> None:
+                update(new_scale)
+                self._tick()
+
+            grad_scaler.update = counted_update
+
+    # ------------------------------------------------------------------ set-up
+
+    def _algorithm(self) -> ThresholdAlgorithm:
+        if self._threshold is not None:
+            return self._threshold.clone()
+        assert self.density is not None
+        return QuantileThreshold(self.density)
+
+    def _threshold_text(self) -> str:
+        if self.dense:
+            return "dense"
+        return f"{self._algorithm()!r} magnitude={self.magnitude}"
+
+    def _shapes(self) -> list[list[int]]:
+        return [list(p.shape) for p in self.params]
+
+    @torch.no_grad()
+    def _broadcast_from_rank0(self) -> None:
+        flat = torch.cat([p.detach().reshape(-1) for p in self.params])
+        src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
+        collective(dist.broadcast, flat, src=src, group=self._private.get(),
+                   timeout=self.timeout, what="parameter broadcast", rank=self._rank)  # fmt: skip
+        for p, piece in zip(self.params, slices(flat, (p.numel() for p in self.params)),
+                            strict=True):  # fmt: skip
+            p.copy_(piece.view_as(p))
+
+    # ------------------------------------------------------------------ counting
+
+    def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self._tick()
+
+    def _tick(self) -> None:
+        self.steps += 1
+        if self.steps % self.sync_every == 0:
+            self._sync()
+
+    # ------------------------------------------------------------------ the sync
+
+    def _header(self, status: int, bad: int) -> list[int]:
+        values = {
+            "round": self.syncs,
+            "status": status,
+            "bad_parameter": bad,
+            "sync_every": self.sync_every,
+            "density": _bits(-1.0 if self.density is None else self.density),
+            "decay": _bits(self.decay),
+            "dense": int(self.dense),
+            "threshold": _crc(self._threshold_text()),
+            "outer_optimizer": _crc(self._outer_text),
+            "world_size": self._world,
+            "num_params": len(self.params),
+            "shapes": _crc(repr([(n, s, str(p.dtype)) for n, s, p in
+                                 zip(self.names, self._shapes(), self.params, strict=True)])),
+            "grad_scaler": int(self._scaler_counts),
+        }  # fmt: skip
+        return [values[f] for f in _FIELDS]
+
+    def _header_exchange(self, what: str, status: int = _OK, bad: int = -1) -> list[list[int]]:
+        """All-gather every rank's header; raise the same error on every rank when rounds or
+        settings differ. Returns the table (one row per rank)."""
+        header = torch.tensor(self._header(status, bad), dtype=torch.int64, device=self.device)
+        headers = [torch.empty_like(header) for _ in range(self._world)]
+        collective(dist.all_gather, headers, header, group=self._private.get(),
+                   timeout=self.timeout, what=f"sync header ({what})", rank=self._rank)  # fmt: skip
+        table = torch.stack(headers).cpu().tolist()
+        differ = [f for f in _SETTINGS if len({row[_FIELDS.index(f)] for row in table}) > 1]
+        if differ:
+            raise ValueError(
+                f"LocalSteps ({what}): the ranks' settings differ in "
+                + "; ".join(_values(table, f) for f in differ)
+                + ": build LocalSteps with the same arguments and the same model on every "
+                "rank (a silent average of different settings would be wrong)."
+            )
+        rounds = {row[0] for row in table}
+        if len(rounds) > 1:
+            raise ValueError(
+                f"LocalSteps ({what}): the ranks are at different sync rounds, "
+                f"{_values(table, 'round')}: every rank must resume from the checkpoint of "
+                "the same step."
+            )
+        return table
+
+    @torch.no_grad()
+    def _sync(self) -> None:
+        """One sync (steps 1-7 of the class docstring); on any error nothing is stepped."""
+        status, bad, failure = _OK, -1, None
+        try:
+            bad = self._compute_delta()
+            status = _OK if bad < 0 else _NONFINITE
+        except Exception as e:
+            status, failure = _FAILED, e
+        table = self._header_exchange("sync", status, bad)
+        if failure is not None:
+            raise failure
+        self._check_status(table)
+        if self.dense:
+            self._dense_mean()
+        else:
+            self._encoded_mean()
+        self._outer_step()
+        self.dense_bytes += 4 * self.numel
+        self.syncs += 1
+
+    def _compute_delta(self) -> int:
+        """Δ = global - local into the float32 buffer; the index of the first parameter whose
+        Δ is not finite (-1 when all are)."""
+        bad = -1
+        for i, (g, p, d) in enumerate(zip(self.global_params, self.params, self._pieces(),
+                                          strict=True)):  # fmt: skip
+            d = d.view_as(g)
+            d.copy_(g)
+            d.sub_(p.detach().to(self.home))
+            if bad < 0 and not bool(torch.isfinite(d).all()):
+                bad = i
+        return bad
+
+    def _pieces(self, flat: torch.Tensor | None = None) -> Iterator[torch.Tensor]:
+        return slices(self._delta if flat is None else flat, (p.numel() for p in self.params))
+
+    def _check_status(self, table: list[list[int]]) -> None:
+        failed = [r for r, row in enumerate(table) if row[1] == _FAILED]
+        if failed:
+            raise RuntimeError(
+                f"LocalSteps sync round {self.syncs}: rank(s) {failed} failed to compute their "
+                "outer gradient (see their own error); every rank stops here, nothing changed."
+            )
+        bad = {r: row[2] for r, row in enumerate(table) if row[1] == _NONFINITE}
+        if bad:
+            where = ", ".join(f"rank {r} in parameter {self.names[i]!r}" for r, i in bad.items())
+            raise ValueError(
+                f"LocalSteps sync round {self.syncs}: the local parameters moved to non-finite "
+                f"values on {where}: no outer step was taken on any rank, the global copy and "
+                "the residuals are unchanged. Check the loss or lower the inner learning rate, "
+                "then resume from a checkpoint."
+            )
+
+    def _dense_mean(self) -> None:
+        """Dense DiLoCo: the exact float32 mean of every rank's Δ into ``_mean``."""
+        buf = self._delta.to(self.device)
+        collective(dist.all_reduce, buf, group=self._private.get(), timeout=self.timeout,
+                   what="dense all-reduce", rank=self._rank)  # fmt: skip
+        self._mean.copy_(buf).div_(self._world)
+        self.bytes_sent += 4 * self.numel
+
+    def _encoded_mean(self) -> None:
+        """Steps 2-5: decay, encode, exchange, validate and decode the mean into ``_mean``."""
+        sizes = [p.numel() for p in self.params]
+        sent: list[tuple[torch.Tensor | None, float]] = []
+        mine, failure = None, None
+        try:
+            for enc, d in zip(self.encoders, self._pieces(), strict=True):
+                if enc.residual is not None and self.decay != 1.0:
+                    enc.residual.mul_(self.decay)  # β·residual, inside the encoder's books
+                message = enc.encode(d, self.syncs, finite=True)
+                assert enc.last_stats is not None
+                sent.append((message, enc.last_stats.threshold))
+            mine = multipart.join_messages(
+                [m for m, _ in sent], sizes, [t for _, t in sent], self.home
+            )
+        except Exception as e:
+            failure = e
+        try:
+            messages = exchange_messages(
+                None if mine is None else mine.to(self.device), self.numel,
+                group=self._private.get(), timeout=self.timeout, device=self.device,
+                failure=failure, max_words=sum(largest_message(p.numel()) for p in self.params),
+            )  # fmt: skip
+            names = rank_names(self._world)
+            pieces = [
+                multipart.split_message(
+                    None if m is None else m.to(self.home), sizes, name, self.names
+                )
+                for m, name in zip(messages, names, strict=True)
+            ]
+            for i, target in enumerate(self._pieces(self._mean)):
+                codec.decode_sum_([p[i] for p in pieces], target, divisor=self._world,
+                                  names=names, checked=True)  # fmt: skip
+        except BaseException:  # this rank's messages go back: nothing of them is lost
+            for enc, (message, _) in zip(self.encoders, sent, strict=False):
+                if message is not None:
+                    take_back(message, enc.residual)  # type: ignore[arg-type]
+            raise
+        self.bytes_sent += 0 if mine is None else 4 * mine.numel()
+
+    def _outer_step(self) -> None:
+        """Steps 6-7: the outer optimizer steps the global copy; the model takes it."""
+        for g, m in zip(self.global_params, self._pieces(self._mean), strict=True):
+            g.grad = m.view_as(g).to(g.dtype)
+        self.outer.step()
+        for g, p in zip(self.global_params, self.params, strict=True):
+            g.grad = None
+            p.detach().copy_(g)
+
+    # ------------------------------------------------------------------ checkpointing
+
+    def _settings(self) -> dict[str, Any]:
+        return {
+            "sync_every": self.sync_every,
+            "density": self.density,
+            "decay": self.decay,
+            "dense": self.dense,
+            "threshold": self._threshold_text(),
+            "world_size": self._world,
+            "rank": self._rank,
+            "names": list(self.names),
+            "shapes": self._shapes(),
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's global copy, residuals and threshold states, outer optimizer state,
+        counters and settings, in plain types (``torch.load(weights_only=True)`` reads it)."""
+        return {
+            "format": FORMAT_VERSION,
+            "settings": self._settings(),
+            "steps": self.steps,
+            "syncs": self.syncs,
+            "bytes_sent": self.bytes_sent,
+            "dense_bytes": self.dense_bytes,
+            "global": [g.detach().clone() for g in self.global_params],
+            "encoders": [e.state_dict() for e in self.encoders],
+            "outer": self.outer.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore this rank's :meth:`state_dict`; check everything first, change nothing on
+        any mismatch (another world size, rank, ``sync_every``, mode or model)."""
+        missing = {"format", "settings", "steps", "syncs", "bytes_sent", "dense_bytes",
+                   "global", "encoders", "outer"} - set(state)  # fmt: skip
+        if missing:
+            raise ValueError(f"LocalSteps state is missing {sorted(missing)}: is it one?")
+        if state["format"] != FORMAT_VERSION:
+            raise ValueError(
+                f"LocalSteps state has format {state['format']!r}, this version reads "
+                f"{FORMAT_VERSION}: resume with the gradshare version that saved it."
+            )
+        here, saved = self._settings(), state["settings"]
+        differ = [k for k in here if saved.get(k) != here[k]]
+        if differ:
+            raise ValueError(
+                "LocalSteps state was saved with other settings: "
+                + "; ".join(f"`{k}` {saved.get(k)!r} saved, {here[k]!r} here" for k in differ)
+                + ": each rank loads the state its own rank saved, with the same arguments, "
+                "model and world size."
+            )
+        glob = state["global"]
+        if len(glob) != len(self.params) or any(
+            not isinstance(t, torch.Tensor) or t.shape != g.shape or not bool(t.isfinite().all())
+            for t, g in zip(glob, self.global_params, strict=False)
+        ):
+            raise ValueError(
+                "LocalSteps state's global copy does not match the model's parameters (count, "
+                "shape) or is not finite: the checkpoint is of another model or corrupted."
+            )
+        if len(state["encoders"]) != len(self.encoders):
+            raise ValueError(
+                f"LocalSteps state holds {len(state['encoders'])} encoder states, this one has "
+                f"{len(self.encoders)}: the checkpoint is of another model or mode."
+            )
+        probes = []
+        for enc, saved_enc, p in zip(self.encoders, state["encoders"], self.params, strict=True):
+            probe = Encoder(enc.algorithm.clone(), magnitude=enc.magnitude)
+            probe.load_state_dict(saved_enc)  # refuses a bad residual or another algorithm
+            if probe.residual is not None and probe.residual.numel() != p.numel():
+                raise ValueError(
+                    f"LocalSteps state's residual has {probe.residual.numel()} elements, the "
+                    f"parameter {p.numel()}: the checkpoint is of another model."
+                )
+            if probe.residual is not None:
+                probe.residual = probe.residual.to(self.home)
+            probes.append(probe)
+        copy.deepcopy(self.outer).load_state_dict(state["outer"])  # refuses another's state
+        # everything checked: change
+        self.outer.load_state_dict(state["outer"])
+        for g, t in zip(self.global_params, glob, strict=True):
+            g.copy_(t)
+        self.encoders = probes
+        self.steps = int(state["steps"])
+        self.syncs = int(state["syncs"])
+        self.bytes_sent = int(state["bytes_sent"])
+        self.dense_bytes = int(state["dense_bytes"])
+
+    # ------------------------------------------------------------------ lifetime
+
+    def close(self) -> None:
+        """Stop syncing: remove the step hook (or the grad scaler's counting)."""
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+        if self._scaler is not None:
+            self._scaler.__dict__.pop("update", None)
+            self._scaler = None
+
+    def __enter__(self) -> LocalSteps:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        mode = "dense" if self.dense else self._threshold_text()
+        return (
+            f"LocalSteps(sync_every={self.sync_every}, {mode}, decay={self.decay}, "
+            f"outer={self._outer_text})"
+        )
+
+
+def _values(table: list[list[int]], field: str) -> str:
+    """``field`` on each rank, as ``"`decay` 0.95 on rank 0, 0.9 on rank 1"``."""
+    j = _FIELDS.index(field)
+    show = _float if field in _FLOATS else (lambda v: v)
+    values = ", ".join(f"{show(row[j])} on rank {r}" for r, row in enumerate(table))
+    return f"`{field}` {values}"
+
+
+def _optimizer_text(optimizer: torch.optim.Optimizer) -> str:
+    """The outer optimizer's class and settings (its first group's, less the parameters)."""
+    group = {k: v for k, v in optimizer.param_groups[0].items() if k != "params"}
+    return f"{type(optimizer).__name__}({sorted(group.items())!r})"
+
+
+def _check_arguments(
+    model: Any,
+    inner: Any,
+    sync_every: Any,
+    density: Any,
+    decay: Any,
+    threshold: Any,
+    overlap: Any,
+) -> None:
+    """Refuse bad constructor arguments, one error each naming the argument and the fix."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(model, DistributedDataParallel):
+        raise TypeError(
+            "Expect a plain model, got one wrapped in DistributedDataParallel: LocalSteps "
+            "keeps a full replica per rank and syncs it itself; pass `model.module` and drop "
+            "DDP (its gradient all-reduce would defeat the local steps)."
+        )
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"Expect `model` to be a torch.nn.Module, got {type(model).__name__}.")
+    if not isinstance(inner, torch.optim.Optimizer):
+        raise TypeError(
+            f"Expect `inner_optimizer` to be a torch.optim.Optimizer, got {type(inner).__name__}."
+        )
+    if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
+        raise ValueError(
+            f"Expect `sync_every` to be an int >= 1 (inner steps between syncs), got "
+            f"{sync_every!r}: pass e.g. sync_every=10."
+        )
+    if isinstance(density, bool) or not isinstance(density, (int, float)) or not 0 < density <= 1:
+        raise ValueError(
+            f"Expect `density` in (0, 1], got {density!r}: it is the fraction of elements a "
+            "sync sends (1.0: dense)."
+        )
+    if threshold is None and BITMAP_DENSITY <= density < 1:
+        raise ValueError(
+            f"Expect `density` under 1/16 or exactly 1.0, got {density!r}: at 1/16 or more a "
+            "bitmap message is smaller than the sparse one; pass density=1.0 (dense syncs) or a "
+            "`threshold` algorithm."
+        )
+    if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0 <= decay <= 1:
+        raise ValueError(
+            f"Expect `decay` in [0, 1], got {decay!r}: it is β in residual = β·residual + Δ "
+            "(1: keep all of it, DL4J's residual)."
+        )
+    if threshold is not None and not isinstance(threshold, ThresholdAlgorithm):
+        raise TypeError(
+            f"Expect `threshold` to be a ThresholdAlgorithm or None, got "
+            f"{type(threshold).__name__}: wrap a number as FixedThreshold(t)."
+        )
+    if overlap:
+        raise NotImplementedError(
+            "`overlap=True` (exchanging a sync in the background during the next local steps) "
+            "is not implemented yet: pass overlap=False."
+        )
+    if not any(True for _ in model.parameters()):
+        raise ValueError("Expect a model with parameters: there is nothing to sync.")

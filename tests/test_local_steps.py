@@ -1,0 +1,397 @@
+"""LocalSteps: local steps with sparse error-feedback syncs, on real gloo ranks (127.0.0.1).
+
+Each test spawns a world of processes (``tests/world.py``); the functions named ``_rank_*``
+run on every rank and return what the test asserts on.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.nn.parallel import DistributedDataParallel
+
+from gradshare import ExchangeError, LocalSteps, codec
+from gradshare.encoding.encoder import Encoder
+
+from toys import flat, toy_batches, toy_model
+from world import spawn
+
+
+def _train(model: nn.Module, inner: torch.optim.Optimizer, batches: list) -> None:
+    for x, y in batches:
+        inner.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        inner.step()
+
+
+def _record(enc: Encoder, log: list) -> None:
+    """Make ``enc`` append (update, message) of each encode to ``log``."""
+    encode = enc.encode
+
+    def recorded(update: torch.Tensor, iteration: int, epoch: int = 0, **kw: bool) -> object:
+        message = encode(update, iteration, epoch, **kw)
+        log.append((update.detach().clone(), None if message is None else message.clone()))
+        return message
+
+    enc.encode = recorded  # type: ignore[method-assign]
+
+
+def _decoded(message: torch.Tensor | None, numel: int) -> torch.Tensor:
+    out = torch.zeros(numel, dtype=torch.float64)
+    if message is not None:
+        out += codec.decode_(message, torch.zeros(numel))
+    return out
+
+
+# ---------------------------------------------------------------------- ranks
+
+
+def _rank_laws(rank: int, world: int) -> dict:
+    """Encoded syncs with β = 1 and β = 0.9, and dense syncs, on one world."""
+    out: dict = {}
+    batches = toy_batches(6 * world, seed=1)[rank::world]
+    for decay in (1.0, 0.9):
+        model = toy_model(seed=rank)  # different on purpose: rank 0's must win
+        inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        sync = LocalSteps(model, inner, sync_every=2, decay=decay)
+        logs: list[list] = [[] for _ in sync.encoders]
+        for enc, log in zip(sync.encoders, logs, strict=True):
+            _record(enc, log)
+        hashes, residuals = [], []
+        for step, batch in enumerate(batches):
+            _train(model, inner, [batch])
+            if (step + 1) % 2 == 0:
+                hashes.append(flat(model))
+                residuals.append([e.residual.double().clone() for e in sync.encoders])  # type: ignore[union-attr]
+                g = torch.cat([t.reshape(-1) for t in sync.global_params])
+                assert torch.equal(g, flat(model))
+        assert sync.syncs == 3 and sync.dense_bytes == 3 * 4 * sync.numel
+        out[decay] = {"hashes": hashes, "logs": logs, "residuals": residuals,
+                      "bytes": sync.bytes_sent}  # fmt: skip
+        sync.close()
+    # dense, outer SGD lr 1: every sync leaves every replica at the mean of the replicas
+    model = toy_model(seed=rank)
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    locals_: list = []
+    inner.register_step_post_hook(lambda *_: locals_.append(flat(model)))  # runs first
+    sync = LocalSteps(model, inner, sync_every=3, dense=True,
+                      outer_optimizer=lambda p: torch.optim.SGD(p, lr=1.0))  # fmt: skip
+    after = []
+    for step, batch in enumerate(batches):
+        _train(model, inner, [batch])
+        if (step + 1) % 3 == 0:
+            after.append(flat(model))
+    assert sync.bytes_sent == 2 * 4 * sync.numel
+    out["dense"] = {"locals": locals_[2::3], "after": after}
+    return out
+
+
+@pytest.fixture(scope="module")
+def laws() -> list[dict]:
+    return [r.get() for r in spawn(_rank_laws, 3)]
+
+
+class TestSyncLaws:
+    """The exact semantics of a sync, world size 3 (uneven message sizes)."""
+
+    @pytest.fixture
+    def results(self, laws: list[dict]) -> list[dict]:
+        return laws
+
+    def test_replicas_are_bit_identical_after_every_sync(self, results: list[dict]) -> None:
+        for decay in (1.0, 0.9):
+            for k in range(3):
+                first = results[0][decay]["hashes"][k]
+                assert all(torch.equal(r[decay]["hashes"][k], first) for r in results)
+
+    def test_conservation_per_parameter(self, results: list[dict]) -> None:
+        """β = 1: Σ of the Δ that went into a residual = decoded own messages + residual."""
+        for r in results:
+            run = r[1.0]
+            for i, log in enumerate(run["logs"]):
+                numel = log[0][0].numel()
+                sent = sum(u.double() for u, _ in log)
+                got = sum(_decoded(m, numel) for _, m in log) + run["residuals"][-1][i]
+                torch.testing.assert_close(got, sent, rtol=0, atol=1e-6)
+
+    def test_residual_decay_law(self, results: list[dict]) -> None:
+        """β < 1: residual_k = β·residual_(k-1) + Δ_k - decoded own message_k."""
+        for r in results:
+            run = r[0.9]
+            for i, log in enumerate(run["logs"]):
+                prev = torch.zeros_like(run["residuals"][0][i])
+                for k, (u, m) in enumerate(log):
+                    want = 0.9 * prev + u.double() - _decoded(m, u.numel())
+                    torch.testing.assert_close(run["residuals"][k][i], want, rtol=0, atol=1e-6)
+                    prev = run["residuals"][k][i]
+
+    def test_bytes_sent_are_the_message_words(self, results: list[dict]) -> None:
+        for r in results:
+            for decay in (1.0, 0.9):
+                logs = r[decay]["logs"]
+                want = 0
+                for k in range(3):
+                    pieces = [log[k][1] for log in logs]
+                    if any(m is not None for m in pieces):
+                        want += 4 * sum(4 if m is None else m.numel() for m in pieces)
+                assert r[decay]["bytes"] == want > 0
+
+    def test_dense_sync_is_the_mean_of_the_replicas(self, results: list[dict]) -> None:
+        for k in range(2):
+            mean = sum(r["dense"]["locals"][k] for r in results) / len(results)
+            for r in results:
+                torch.testing.assert_close(r["dense"]["after"][k], mean)
+
+
+def _rank_refusals(rank: int, world: int) -> dict:
+    """Settings and round mismatches, a NaN on one rank, a skipped GradScaler step."""
+    out: dict = {}
+    model = toy_model()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    try:
+        LocalSteps(model, inner, sync_every=2, decay=0.9 if rank == 1 else 0.95)
+    except ValueError as e:
+        out["settings"] = str(e)
+    out["hooks_left"] = len(inner._optimizer_step_post_hooks)
+    batches = toy_batches(8 * world)[rank::world]
+    # a NaN in rank 1's parameters at the second sync, put there after its inner step
+    poisoned = []
+
+    def poison(*_: object) -> None:
+        if poisoned:
+            with torch.no_grad():
+                model[2].weight[0, 0] = float("nan")  # type: ignore[index]
+
+    if rank == 1:
+        inner.register_step_post_hook(poison)  # runs before LocalSteps' hook
+    sync = LocalSteps(model, inner, sync_every=2, timeout=20)
+    _train(model, inner, batches[:2])
+    before = [g.clone() for g in sync.global_params]
+    residuals = [e.residual.clone() for e in sync.encoders]  # type: ignore[union-attr]
+    _train(model, inner, batches[2:3])
+    poisoned.append(True)
+    try:
+        _train(model, inner, batches[3:4])  # ← the sync
+    except ValueError as e:
+        out["nan"] = str(e)
+    out["unchanged"] = (
+        all(torch.equal(a, b) for a, b in zip(before, sync.global_params, strict=True))
+        and all(torch.equal(r, e.residual) for r, e in zip(residuals, sync.encoders, strict=True))
+        and sync.syncs == 1
+    )
+    sync.close()
+    # rounds that differ (as after resuming from different checkpoints)
+    model = toy_model()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    sync = LocalSteps(model, inner, sync_every=2, timeout=20)
+    _train(model, inner, batches[:2])
+    if rank == 1:
+        state = sync.state_dict()
+        state["syncs"] = 5
+        sync.load_state_dict(state)
+    try:
+        _train(model, inner, batches[2:4])
+    except ValueError as e:
+        out["rounds"] = str(e)
+    sync.close()
+    return out
+
+
+def _rank_grad_scaler(rank: int, world: int) -> dict:
+    """Rank 1's gradient overflows at iteration 3: GradScaler skips its inner step there."""
+    model = toy_model()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    stepped: list[int] = []
+    inner.register_step_post_hook(lambda *_: stepped.append(1))
+    sync = LocalSteps(model, inner, sync_every=2, grad_scaler=scaler, timeout=20)
+    hashes = []
+    for i, (x, y) in enumerate(toy_batches(6 * world)[rank::world]):
+        inner.zero_grad()
+        scaler.scale(F.cross_entropy(model(x), y)).backward()
+        if rank == 1 and i == 2:
+            model[0].weight.grad[0, 0] = float("inf")  # type: ignore[index]
+        scaler.step(inner)
+        scaler.update()
+        if i % 2 == 1:
+            hashes.append(flat(model))
+    sync.close()
+    assert "update" not in scaler.__dict__  # close() gave the scaler its own update back
+    return {"hashes": hashes, "syncs": sync.syncs, "stepped": len(stepped), "steps": sync.steps}
+
+
+def _rank_two(rank: int, world: int, tmp: str) -> dict:
+    """What needs 2 healthy ranks, in one world (each spawned process costs seconds of
+    imports): the refusals, the grad scaler, and the first half of the resume test."""
+    return {
+        **_rank_refusals(rank, world),
+        "scaler": _rank_grad_scaler(rank, world),
+        "whole": _rank_resume(rank, world, tmp, "whole"),
+    }
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict], Path]:
+    tmp = tmp_path_factory.mktemp("two")
+    return [r.get() for r in spawn(_rank_two, 2, str(tmp))], tmp
+
+
+@pytest.fixture(scope="module")
+def refusals(two: tuple[list[dict], Path]) -> list[dict]:
+    return two[0]
+
+
+class TestRefusals:
+    """Whatever one rank gets wrong, every rank raises the same error, and nothing changes."""
+
+    @pytest.fixture
+    def results(self, refusals: list[dict]) -> list[dict]:
+        return refusals
+
+    def test_mismatched_settings_refused_alike_on_every_rank(self, results: list[dict]) -> None:
+        msg = results[0]["settings"]
+        assert msg == results[1]["settings"]
+        assert "`decay` 0.95 on rank 0, 0.9 on rank 1" in msg
+        assert all(r["hooks_left"] == 0 for r in results)  # nothing registered
+
+    def test_nan_on_one_rank_changes_nothing_anywhere(self, results: list[dict]) -> None:
+        msg = results[0]["nan"]
+        assert msg == results[1]["nan"]
+        assert "rank 1 in parameter '2.weight'" in msg
+        assert all(r["unchanged"] for r in results)
+
+    def test_mismatched_rounds_refused_alike_on_every_rank(self, results: list[dict]) -> None:
+        msg = results[0]["rounds"]
+        assert msg == results[1]["rounds"]
+        assert "`round` 1 on rank 0, 5 on rank 1" in msg
+
+
+def test_grad_scaler_skipped_step_still_syncs_in_step(refusals: list[dict]) -> None:
+    """A rank whose step GradScaler skipped must sync with the others, not one step later
+    (the others would wait for it until the timeout)."""
+    results = [r["scaler"] for r in refusals]
+    assert [r["stepped"] for r in results] == [6, 5]
+    assert all(r["syncs"] == 3 and r["steps"] == 6 for r in results)
+    for a, b in zip(results[0]["hashes"], results[1]["hashes"], strict=True):
+        assert torch.equal(a, b)
+
+
+def _rank_fault(rank: int, world: int, kind: str) -> tuple[float, str]:
+    model = toy_model()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    LocalSteps(model, inner, sync_every=2, timeout=3)
+    start = time.monotonic()
+    try:
+        for step, batch in enumerate(toy_batches(8 * world)[rank::world]):
+            if rank == 1 and step == 3:
+                if kind == "raise":
+                    raise ZeroDivisionError("rank's own bug")
+                os.kill(os.getpid(), signal.SIGKILL)
+            start = time.monotonic()
+            _train(model, inner, [batch])
+    except ExchangeError as e:
+        return time.monotonic() - start, str(e)
+    raise AssertionError("the sync did not fail")
+
+
+@pytest.mark.parametrize("kind", ["raise", "kill"])
+def test_lost_peer_raises_within_the_timeout(kind: str) -> None:
+    """A rank that raises (or is killed) between syncs: the other raises a clear error at
+    its next sync within the timeout, instead of waiting forever."""
+    survivor, lost = spawn(_rank_fault, 2, kind, timeout=40)
+    waited, msg = survivor.get()
+    assert waited < 3 + 5, waited
+    assert "sync header" in msg and "timeout 3 s" in msg
+    assert lost.error == ("ZeroDivisionError" if kind == "raise" else "Killed")
+
+
+def _rank_resume(rank: int, world: int, tmp: str, part: str) -> torch.Tensor:
+    """``whole``: 20 steps, saving at 10. ``resumed``: new processes load step 10, do 10."""
+    batches = toy_batches(20 * world, seed=2)[rank::world]
+    model = toy_model(seed=5)
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sync = LocalSteps(model, inner, sync_every=4, decay=0.9, timeout=30)
+    path = Path(tmp) / f"rank{rank}.pt"
+    if part == "whole":
+        _train(model, inner, batches[:10])
+        torch.save({"model": model.state_dict(), "inner": inner.state_dict(),
+                    "sync": sync.state_dict()}, path)  # fmt: skip
+    else:
+        state = torch.load(path, weights_only=True)
+        wrong = {**state["sync"], "settings": {**state["sync"]["settings"], "world_size": 3}}
+        with pytest.raises(ValueError, match="`world_size` 3 saved, 2 here"):
+            sync.load_state_dict(wrong)
+        assert sync.syncs == 0
+        model.load_state_dict(state["model"])
+        inner.load_state_dict(state["inner"])
+        sync.load_state_dict(state["sync"])
+        assert sync.steps == 10 and sync.syncs == 2
+    _train(model, inner, batches[10:])
+    assert sync.syncs == 5
+    return flat(model)
+
+
+def test_resumed_run_is_bit_identical(two: tuple[list[dict], Path]) -> None:
+    """20 steps straight vs 10, save, new processes, load, 10: the same bits."""
+    whole = [r["whole"] for r in two[0]]
+    resumed = [r.get() for r in spawn(_rank_resume, 2, str(two[1]), "resumed")]
+    for a, b in zip(whole, resumed, strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(whole[0], whole[1])  # step 20 ends with a sync
+
+
+# ---------------------------------------------------------------------- in this process
+
+
+def test_bad_arguments_are_refused_naming_the_fix() -> None:
+    model = toy_model()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    cases = [
+        ({"sync_every": 0}, ValueError, "`sync_every`"),
+        ({"sync_every": 2.0}, ValueError, "`sync_every`"),
+        ({"density": 0.0}, ValueError, r"`density` in \(0, 1\]"),
+        ({"density": 1.5}, ValueError, r"`density` in \(0, 1\]"),
+        ({"density": 0.5}, ValueError, "density=1.0"),
+        ({"decay": 1.1}, ValueError, r"`decay` in \[0, 1\]"),
+        ({"decay": -0.1}, ValueError, r"`decay` in \[0, 1\]"),
+        ({"overlap": True}, NotImplementedError, "overlap=False"),
+    ]
+    for kwargs, error, match in cases:
+        args = {"sync_every": 2, **kwargs}
+        with pytest.raises(error, match=match):
+            LocalSteps(model, inner, **args)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="model with parameters"):
+        LocalSteps(nn.ReLU(), inner, sync_every=2)
+    ddp = DistributedDataParallel.__new__(DistributedDataParallel)  # no group needed
+    with pytest.raises(TypeError, match=r"model\.module"):
+        LocalSteps(ddp, inner, sync_every=2)
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        LocalSteps(model, inner, sync_every=2)
+    assert not inner._optimizer_step_post_hooks  # nothing left registered
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_with_offload() -> None:
+    """On CUDA, offload keeps the global copy and residuals on the CPU; replicas still agree."""
+    results = [r.get() for r in spawn(_rank_cuda, 2)]
+    assert torch.equal(results[0], results[1])
+
+
+def _rank_cuda(rank: int, world: int) -> torch.Tensor:
+    model = toy_model().cuda()
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sync = LocalSteps(model, inner, sync_every=2, offload=True)
+    assert all(g.device.type == "cpu" for g in sync.global_params)
+    for x, y in toy_batches(4 * world)[rank::world]:
+        inner.zero_grad()
+        F.cross_entropy(model(x.cuda()), y.cuda()).backward()
+        inner.step()
+    assert all(e.residual is not None and e.residual.device.type == "cpu" for e in sync.encoders)
+    return flat(model).cpu()
