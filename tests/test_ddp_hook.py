@@ -16,7 +16,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import gradshare.distributed.ddp_hook as hook_module
+import gradshare.distributed.ddp_hook.hook as hook_module
 from gradshare import (
     AdaptiveThreshold,
     Encoder,
@@ -47,7 +47,7 @@ def _rank_conservation(rank: int, world: int, steps: int) -> float:
                 total[n] += p.grad.double()
     gap = 0.0
     for n, p in hooked.named_parameters():
-        residual = state.encoders[state._keys[id(p)]].residual.double().clone()
+        residual = state.encoders[state._runtime.keys[id(p)]].residual.double().clone()
         dist.all_reduce(residual)
         residual /= world
         gap = max(gap, float((got[n] - (true[n] - residual.view_as(p))).abs().max()))
@@ -116,8 +116,8 @@ def _rank_checkpoint(rank: int, world: int) -> bool:
     first, first_opt, first_state = make()
     _train(first, first_opt, batches[:6])
     unpickled = pickle.loads(pickle.dumps(first_state))  # the process group is left out
-    assert unpickled.process_group is None and unpickled._group is None
-    assert unpickled.iteration == first_state.iteration and unpickled._first_pass
+    assert unpickled.process_group is None and unpickled._runtime.group is None
+    assert unpickled.iteration == first_state.iteration and unpickled._runtime.first_pass
     for i, enc in first_state.encoders.items():
         assert torch.equal(unpickled.encoders[i].residual, enc.residual)
     resumed, resumed_opt = _resumed(first, first_opt, first_state, make)
@@ -322,7 +322,7 @@ def _rank_own_conservation(rank: int, world: int, steps: int) -> float:
     def spy(message, params, name):  # type: ignore[no-untyped-def]
         pieces = split(message, params, name)
         if name == f"rank {rank}":
-            by_place = {place: key for key, place in state._keys.items()}
+            by_place = {place: key for key, place in state._runtime.keys.items()}
             for (place, n), piece in zip(params, pieces, strict=True):
                 if piece is not None:
                     decoded = decode_(piece, torch.zeros(n, dtype=torch.float64))
@@ -340,7 +340,7 @@ def _rank_own_conservation(rank: int, world: int, steps: int) -> float:
     hook_module._split = split  # type: ignore[assignment]
     gap = 0.0
     for p in model.parameters():
-        residual = state.encoders[state._keys[id(p)]].residual.double()  # type: ignore[union-attr]
+        residual = state.encoders[state._runtime.keys[id(p)]].residual.double()  # type: ignore[union-attr]
         n = names[id(p)]
         assert float(own[n].abs().max()) > 0, n  # every parameter sent something
         gap = max(gap, float((own[n] + residual - fed[n]).abs().max()))
@@ -378,7 +378,7 @@ def _rank_bad_concatenation(rank: int, world: int) -> dict:
     params = {n.removeprefix("module."): p for n, p in model.named_parameters()}
     gap = 0.0
     for n, p in local.named_parameters():
-        residual = state.encoders[state._keys[id(params[n])]].residual
+        residual = state.encoders[state._runtime.keys[id(params[n])]].residual
         assert residual is not None
         gap = max(gap, float((residual - p.grad.reshape(-1)).abs().max()))
     return {"error": error, "decoded": len(decoded), "gap": gap}
@@ -401,7 +401,8 @@ def _rank_two_scales(rank: int, world: int, steps: int) -> list[float]:
         model.zero_grad()
         model(torch.rand(64, generator=g)).backward()
     inner = model.module
-    return [state.last_stats[state._keys[id(p)]].threshold for p in (inner.big, inner.small)]
+    keys = state._runtime.keys
+    return [state.last_stats[keys[id(p)]].threshold for p in (inner.big, inner.small)]
 
 
 class _TwoLinear(nn.Module):
@@ -437,7 +438,7 @@ def _rank_velocity(rank: int, world: int, steps: int) -> bool:
             sent = r[name].abs() >= t  # gradients >= 0: no half-negative bitmap codes
             r[name] = torch.where(sent, r[name] - t, r[name])
             u[name] = torch.where(sent, 0.0, u[name])
-            place = state._keys[id(getattr(model.module, name))]
+            place = state._runtime.keys[id(getattr(model.module, name))]
             formats.add(state.last_stats[place].format)
             residual = state.encoders[place].residual
             assert residual is not None
@@ -521,7 +522,7 @@ class TestCheckpointChecks:
     @staticmethod
     def _saved(momentum: float = 0.9) -> dict:
         state = _fixed(momentum)
-        encoders = state._encoders([((0, 0), 2), ((1, 0), 3)], torch.device("cpu"))
+        encoders = state.parameters.for_params([((0, 0), 2), ((1, 0), 3)], torch.device("cpu"))
         encoders[0].encode(torch.tensor([0.5, 2.5]), 0)
         encoders[1].encode(torch.tensor([1.5, 0.25, -3.0]), 0)
         if momentum:
@@ -538,7 +539,7 @@ class TestCheckpointChecks:
         restored = _fixed(0.9)
         restored.load_state_dict(self._saved())
         with pytest.raises(ValueError, match="another model"):
-            restored._encoders([((1, 0), 3), ((0, 0), 4)], torch.device("cpu"))
+            restored.parameters.for_params([((1, 0), 3), ((0, 0), 4)], torch.device("cpu"))
         assert set(restored.encoders) == {(0, 0), (1, 0)}
 
     @pytest.mark.parametrize(
@@ -584,7 +585,7 @@ def test_a_hook_state_pickled_by_gradshare_0_1_still_loads() -> None:
         with pytest.warns(DeprecationWarning, match="gradshare.ddp_hook"):
             state = pickle.load(f)
     assert type(state) is ThresholdHookState and state.iteration == 3 and state.momentum == 0.5
-    assert state.process_group is None and state._group is None
+    assert state.process_group is None and state._runtime.group is None
     assert sorted(state.encoders) == [(0, 0), (0, 1), (0, 2), (0, 3)]
     residual = state.encoders[(0, 3)].residual
     assert residual is not None

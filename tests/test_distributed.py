@@ -374,8 +374,8 @@ class TestOptimizerConventions:
     def test_state_dict_keeps_torch_schema_and_loads_whole_or_not_at_all(self) -> None:
         for r in (res.get() for res in spawn(_rank_checkpoint_schema, 2)):
             assert r["keys"] == ["gradshare", "param_groups", "state"]
-            assert r["ours"] == ["bytes_sent", "encoder", "hierarchical", "iteration", "numel",
-                                 "rank", "world_size"]  # fmt: skip
+            assert r["ours"] == ["bytes_sent", "encoder", "format", "hierarchical", "iteration",
+                                 "numel", "rank", "world_size"]  # fmt: skip
             assert r["old_schema"]
             assert "saved by rank" in r["other_rank"]
             assert "parameter groups" in r["broken"] and r["untouched"]

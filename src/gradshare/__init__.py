@@ -41,6 +41,7 @@ from gradshare.distributed.exchange import ExchangeError, exchange_messages
 from gradshare.distributed.local_steps import LocalSteps
 from gradshare.distributed.shared_optimizer import SharedOptimizer
 from gradshare.encoding.encoder import Encoder, EncodeStats
+from gradshare.encoding.options import EncodingOptions
 from gradshare.encoding.residual import (
     NoResidualProcessing,
     ResidualClipping,
@@ -78,6 +79,7 @@ __all__ = [
     # one worker
     "EncodeStats",
     "Encoder",
+    "EncodingOptions",
     # threshold algorithms
     "AdaptiveThreshold",
     "FixedThreshold",

@@ -16,7 +16,7 @@ import struct
 import zlib
 from collections.abc import Callable, Iterator
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -25,7 +25,6 @@ import torch.distributed as dist
 import torch.distributed.nn.functional
 
 from gradshare import codec
-from gradshare._checks import to_seconds
 from gradshare.codec import multipart
 from gradshare.codec._flat import slices
 from gradshare.distributed.exchange import (
@@ -37,6 +36,7 @@ from gradshare.distributed.exchange import (
     take_back,
 )
 from gradshare.encoding.encoder import Encoder
+from gradshare.encoding.options import EncodingOptions, encoding_options
 from gradshare.encoding.threshold import BITMAP_DENSITY, QuantileThreshold, ThresholdAlgorithm
 
 __all__ = ["DEFAULT_DECAY", "DEFAULT_DENSITY", "DEFAULT_OUTER_LR", "LocalSteps"]
@@ -135,10 +135,6 @@ class LocalSteps:
         density: the fraction of each parameter's elements a sync sends, in (0, 1/16), or 1.0
             for dense syncs.
         decay: β, the residual's decay before each sync, in [0, 1].
-        dense: exact float32 syncs (no encoding, no residual).
-        threshold: a threshold algorithm to use instead of ``QuantileThreshold(density)``
-            (cloned per parameter).
-        magnitude: what each sent entry carries (:class:`~gradshare.Encoder`).
         outer_optimizer: a callable taking the global copy's tensors and returning the outer
             optimizer (default: ``SGD(params, lr=DEFAULT_OUTER_LR)``, no momentum).
         offload: keep the global copy, residuals and outer state on the CPU.
@@ -146,9 +142,13 @@ class LocalSteps:
             yet: must be False).
         grad_scaler: the run's ``torch.amp.GradScaler``, to count iterations by its
             ``update()`` (see above).
-        timeout: seconds (or a timedelta) a sync waits for the other ranks (default
-            :data:`gradshare._checks.DEFAULT_TIMEOUT`).
         group: the process group (default: the world).
+        options: the encoding settings (:class:`~gradshare.EncodingOptions`), or give its
+            fields as keywords: ``threshold`` (an algorithm to use instead of
+            ``QuantileThreshold(density)``, cloned per parameter), ``post_processor``,
+            ``boundary``, ``magnitude``, ``dense`` (exact float32 syncs: DiLoCo),
+            ``reduction`` (``"mean"`` by default: the average outer gradient; ``"sum"``),
+            ``timeout`` (how long a sync waits for the other ranks).
 
     Example::
 
@@ -166,23 +166,17 @@ class LocalSteps:
         *,
         density: float = DEFAULT_DENSITY,
         decay: float = DEFAULT_DECAY,
-        dense: bool = False,
-        threshold: ThresholdAlgorithm | None = None,
-        magnitude: Literal["threshold", "mean"] = "threshold",
         outer_optimizer: OuterFactory | None = None,
         offload: bool = False,
         overlap: bool = False,
         grad_scaler: Any = None,
-        timeout: float | timedelta | None = None,
         group: Any = None,
+        options: EncodingOptions | None = None,
+        **encoding: Any,
     ) -> None:
+        self.options = encoding_options(options, encoding, "LocalSteps")
+        dense, threshold = self.options.dense, self.options.threshold
         _check_arguments(model, inner_optimizer, sync_every, density, decay, threshold, overlap)
-        if dense and threshold is not None:
-            raise ValueError(
-                f"Expect no `threshold` with `dense=True` (dense syncs send Δ exactly), got "
-                f"{threshold!r}: drop one of them."
-            )
-        codec.check_magnitude(magnitude)
         if grad_scaler is not None and not callable(getattr(grad_scaler, "update", None)):
             raise TypeError(
                 f"Expect `grad_scaler` to be a torch.amp.GradScaler, got "
@@ -198,9 +192,9 @@ class LocalSteps:
         self.dense = bool(dense) or (threshold is None and density == 1.0)
         self.density = None if threshold is not None else 1.0 if self.dense else float(density)
         self.decay = float(decay)
-        self.magnitude = magnitude
+        self.magnitude = self.options.magnitude
         self.offload = bool(offload)
-        self.timeout = timedelta(seconds=to_seconds(timeout))
+        self.timeout = timedelta(seconds=self.options.seconds())
         self.group = group
         self.model = model
         self.inner = inner_optimizer
@@ -238,7 +232,7 @@ class LocalSteps:
         """The global copy: the parameters every replica starts each round from."""
         self.outer = outer(self.global_params)
         self.encoders: list[Encoder] = [] if self.dense else [
-            Encoder(self._algorithm(), magnitude=magnitude) for _ in self.params
+            self.options.encoder(self._algorithm()) for _ in self.params
         ]  # fmt: skip
         """Per parameter: its residual and threshold state (none for dense syncs)."""
         self._delta = torch.zeros(self.numel, dtype=torch.float32, device=self.home)
@@ -264,10 +258,18 @@ class LocalSteps:
         assert self.density is not None
         return QuantileThreshold(self.density)
 
+    def _divisor(self) -> int:
+        """What the summed outer gradients are divided by: the world size (``"mean"``)."""
+        return self._world if self.options.reduce("mean") == "mean" else 1
+
     def _threshold_text(self) -> str:
         if self.dense:
             return "dense"
-        return f"{self._algorithm()!r} magnitude={self.magnitude}"
+        o = self.options
+        return (
+            f"{self._algorithm()!r} magnitude={o.magnitude} boundary={o.boundary} "
+            f"post_processor={o.post_processor!r} reduction={o.reduce('mean')}"
+        )
 
     def _shapes(self) -> list[list[int]]:
         return [list(p.shape) for p in self.params]
@@ -397,7 +399,7 @@ class LocalSteps:
         buf = self._delta.to(self.device)
         collective(dist.all_reduce, buf, group=self._private.get(), timeout=self.timeout,
                    what="dense all-reduce", rank=self._rank)  # fmt: skip
-        self._mean.copy_(buf).div_(self._world)
+        self._mean.copy_(buf).div_(self._divisor())
         self.bytes_sent += 4 * self.numel
 
     def _encoded_mean(self) -> None:
@@ -431,7 +433,7 @@ class LocalSteps:
                 for m, name in zip(messages, names, strict=True)
             ]
             for i, target in enumerate(self._pieces(self._mean)):
-                codec.decode_sum_([p[i] for p in pieces], target, divisor=self._world,
+                codec.decode_sum_([p[i] for p in pieces], target, divisor=self._divisor(),
                                   names=names, checked=True)  # fmt: skip
         except BaseException:  # this rank's messages go back: nothing of them is lost
             for enc, (message, _) in zip(self.encoders, sent, strict=False):
@@ -515,8 +517,8 @@ class LocalSteps:
                 f"{len(self.encoders)}: the checkpoint is of another model or mode."
             )
         probes = []
-        for enc, saved_enc, p in zip(self.encoders, state["encoders"], self.params, strict=True):
-            probe = Encoder(enc.algorithm.clone(), magnitude=enc.magnitude)
+        for _enc, saved_enc, p in zip(self.encoders, state["encoders"], self.params, strict=True):
+            probe = self.options.encoder(self._algorithm())
             probe.load_state_dict(saved_enc)  # refuses a bad residual or another algorithm
             if probe.residual is not None and probe.residual.numel() != p.numel():
                 raise ValueError(

@@ -12,7 +12,7 @@ import contextlib
 from collections import OrderedDict
 from collections.abc import Callable
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -27,8 +27,8 @@ import torch.distributed as dist
 import torch.distributed.nn.functional
 
 from gradshare import codec
-from gradshare._checks import to_seconds
 from gradshare.codec._flat import views
+from gradshare.distributed.checkpoint import check_format, check_saved_by, saved_by
 from gradshare.distributed.exchange import (
     PrivateGroup,
     collective,
@@ -39,8 +39,7 @@ from gradshare.distributed.exchange import (
 from gradshare.distributed.hosts import count_ranks_on_host
 from gradshare.distributed.nodes import broadcast_messages, node_layout
 from gradshare.encoding.encoder import Encoder, EncodeStats
-from gradshare.encoding.residual import ResidualPostProcessor
-from gradshare.encoding.threshold import ThresholdAlgorithm, resolve_or_dense
+from gradshare.encoding.options import EncodingOptions, encoding_options
 
 if TYPE_CHECKING:
     from torch.nn.parallel import DistributedDataParallel
@@ -50,6 +49,10 @@ __all__ = ["SharedOptimizer"]
 
 _KEY = "gradshare"
 """The key of gradshare's own entries in :meth:`SharedOptimizer.state_dict`."""
+
+FORMAT = 2
+"""The version of gradshare's entries in :meth:`SharedOptimizer.state_dict` (1: gradshare 0.1,
+which recorded none; it reads the same)."""
 
 
 def _split_state(state_dict: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -122,18 +125,15 @@ class SharedOptimizer(torch.optim.Optimizer):
 
     Args:
         optimizer: any ``torch.optim`` optimizer over the model's parameters.
-        threshold: the threshold algorithm (cloned; each rank keeps its own state; None:
-            :func:`gradshare.encoding.threshold.default_threshold`).
-        dense: all-reduce the exact dense updates instead (the oracle to compare with).
-        post_processor: residual post-processing.
         process_group: the group to share over (default: the world).
-        reduction: ``"sum"`` (DL4J) or ``"mean"`` over ranks; None (the default): ``"mean"``
-            with ``ddp=`` (DDP averaged the gradients, so the learning rate tuned for it stays
-            right), else ``"sum"``.
-        timeout: how long a collective may wait for the other ranks before raising (default
-            :data:`gradshare._checks.DEFAULT_TIMEOUT`).
-        magnitude: what each sent entry carries, passed to the :class:`~gradshare.Encoder`:
-            ``"threshold"`` (t) or ``"mean"`` (the mean magnitude of the sent elements).
+        options: the encoding settings (:class:`~gradshare.EncodingOptions`), or give its
+            fields as keywords: ``threshold`` (cloned; each rank keeps its own state),
+            ``post_processor``, ``boundary``, ``magnitude`` (what each sent entry carries:
+            t, or the mean magnitude of the sent elements), ``dense`` (all-reduce the exact
+            dense updates instead: the oracle), ``reduction`` (``"sum"``, DL4J's, or
+            ``"mean"`` over ranks; by default ``"mean"`` with ``ddp=``, since DDP averaged
+            the gradients and the learning rate tuned for it stays right, else ``"sum"``),
+            ``timeout`` (how long a collective may wait for the other ranks).
         ddp: the ``DistributedDataParallel`` model these parameters belong to, for a model
             that stays wrapped in DDP (Lightning, accelerate, code that expects it). Its
             gradient all-reduce is replaced by a hook that leaves every gradient local (no
@@ -166,25 +166,19 @@ class SharedOptimizer(torch.optim.Optimizer):
         self,
         optimizer: torch.optim.Optimizer,
         *,
-        threshold: ThresholdAlgorithm | None = None,
-        dense: bool = False,
-        post_processor: ResidualPostProcessor | None = None,
         process_group: Any = None,
-        reduction: Literal["sum", "mean"] | None = None,
-        timeout: float | timedelta | None = None,
-        magnitude: Literal["threshold", "mean"] = "threshold",
         ddp: DistributedDataParallel | None = None,
         hierarchical: bool | int = False,
+        options: EncodingOptions | None = None,
+        **encoding: Any,
     ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(
                 f"Expect `optimizer` to be a torch.optim.Optimizer, got {type(optimizer).__name__}."
             )
-        algorithm = resolve_or_dense(threshold, dense)
-        if reduction is None:
-            reduction = "sum" if ddp is None else "mean"
-        if reduction not in ("sum", "mean"):
-            raise ValueError(f'Expect `reduction` "sum" or "mean", got {reduction!r}.')
+        self.options = encoding_options(options, encoding, "SharedOptimizer")
+        algorithm = self.options.algorithm()
+        reduction = self.options.reduce("sum" if ddp is None else "mean")
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "SharedOptimizer needs a process group: call "
@@ -200,14 +194,10 @@ class SharedOptimizer(torch.optim.Optimizer):
         self._init_hooks()
         self.group = process_group
         self.reduction = reduction
-        self.timeout = timedelta(seconds=to_seconds(timeout))
+        self.timeout = timedelta(seconds=self.options.seconds())
         self._private = PrivateGroup(process_group, self.timeout)
         """Where the exchanges run: gloo ends a stuck one at this optimizer's timeout."""
-        self.encoder = (
-            None
-            if algorithm is None
-            else Encoder(algorithm.clone(), post_processor, magnitude=magnitude)
-        )
+        self.encoder = None if algorithm is None else self.options.encoder()
         """This rank's encoder (None: exact dense updates are all-reduced, the oracle)."""
         self.iteration = 0
         self.bytes_sent = 0
@@ -425,13 +415,13 @@ class SharedOptimizer(torch.optim.Optimizer):
         key ``"gradshare"``: every rank saves its own."""
         saved = self.optim.state_dict()
         saved[_KEY] = {
+            "format": FORMAT,
             "encoder": None if self.encoder is None else self.encoder.state_dict(),
             "iteration": self.iteration,
             "bytes_sent": self.bytes_sent,
             "numel": self.numel,
-            "world_size": dist.get_world_size(self.group),
-            "rank": dist.get_rank(self.group),
             "hierarchical": None if self.nodes is None else self.nodes.node_size,
+            **saved_by(self.group),
         }
         return saved
 
@@ -441,19 +431,13 @@ class SharedOptimizer(torch.optim.Optimizer):
         Also reads the schema of gradshare 0.1 (``{"optimizer": ..., "encoder": ...}``).
         """
         optim_state, ours = _split_state(state_dict)
+        check_format(ours, "SharedOptimizer state", FORMAT)
         if ours.get("numel") != self.numel:
             raise ValueError(
                 f"Checkpoint shares {ours.get('numel')} elements, this optimizer "
                 f"{self.numel}: it is of another model."
             )
-        world, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
-        saved_at = (ours.get("world_size", world), ours.get("rank", rank))
-        if saved_at != (world, rank):
-            raise ValueError(
-                f"Checkpoint was saved by rank {saved_at[1]} of {saved_at[0]}, this is rank "
-                f"{rank} of {world}: each rank loads the file its own rank saved, in a world "
-                "of the same size (another size would drop or invent residuals)."
-            )
+        check_saved_by(ours, self.group, "Checkpoint")
         mode = None if self.nodes is None else self.nodes.node_size
         if ours.get("hierarchical") != mode:
             raise ValueError(

@@ -12,8 +12,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from gradshare.distributed.ddp_hook import ThresholdHookState, register_threshold_hook
 from gradshare.distributed.shared_optimizer import SharedOptimizer
-from gradshare.encoding.residual import ResidualPostProcessor
-from gradshare.encoding.threshold import ThresholdAlgorithm
+from gradshare.encoding.options import FIELDS, EncodingOptions, encoding_options
 from gradshare.integrations.rank_files import lightning_rank_file, load_rank_state, save_rank_state
 
 __all__ = ["GradshareDDPStrategy"]
@@ -42,9 +41,11 @@ class GradshareDDPStrategy(DDPStrategy):
 
     Args:
         share: ``"gradients"`` (the hook) or ``"updates"`` (SharedOptimizer).
-        threshold, post_processor: the threshold algorithm and residual post-processing.
-        boundary, start_iter: the hook's (:class:`~gradshare.ThresholdHookState`).
-        reduction: SharedOptimizer's ``"sum"`` or ``"mean"`` over ranks.
+        start_iter, momentum: the hook's (:class:`~gradshare.ThresholdHookState`).
+        options: the encoding settings (:class:`~gradshare.EncodingOptions`), or give its
+            fields as keywords (``threshold``, ``post_processor``, ``boundary``,
+            ``magnitude``, ``dense``, ``reduction``), except ``timeout``, which is
+            DDPStrategy's own: gradshare's is ``gradshare_timeout``.
         gradshare_timeout: how long gradshare's collectives wait for the other ranks (default
             :data:`gradshare._checks.DEFAULT_TIMEOUT`; DDPStrategy's own ``timeout`` is
             the process group's).
@@ -61,14 +62,16 @@ class GradshareDDPStrategy(DDPStrategy):
         self,
         *,
         share: Literal["gradients", "updates"] = "gradients",
-        threshold: ThresholdAlgorithm | None = None,
-        post_processor: ResidualPostProcessor | None = None,
-        boundary: int | None = None,
         start_iter: int = 1,
-        reduction: Literal["sum", "mean"] = "mean",
+        momentum: float = 0.0,
         gradshare_timeout: float | timedelta | None = None,
+        options: EncodingOptions | None = None,
         **kwargs: Any,
     ) -> None:
+        encoding = {k: kwargs.pop(k) for k in FIELDS if k != "timeout" and k in kwargs}
+        if gradshare_timeout is not None:
+            encoding["timeout"] = gradshare_timeout
+        self.options = encoding_options(options, encoding, "GradshareDDPStrategy")
         if share not in ("gradients", "updates"):
             raise ValueError(f'Expect `share` "gradients" or "updates", got {share!r}.')
         if kwargs.get("ddp_comm_hook") is not None or kwargs.get("ddp_comm_state") is not None:
@@ -78,13 +81,7 @@ class GradshareDDPStrategy(DDPStrategy):
             )
         super().__init__(**kwargs)
         self.share = share
-        self._settings: dict[str, Any] = {
-            "threshold": threshold,
-            "post_processor": post_processor,
-            "timeout": gradshare_timeout,
-        }
-        self._hook_settings: dict[str, Any] = {"boundary": boundary, "start_iter": start_iter}
-        self._reduction = reduction
+        self._hook_settings: dict[str, Any] = {"start_iter": start_iter, "momentum": momentum}
         self.hook_state: ThresholdHookState | None = None
         self._restore_from: Path | None = None
         """The checkpoint of ``trainer.fit(ckpt_path=...)``, until its rank file is read."""
@@ -98,7 +95,7 @@ class GradshareDDPStrategy(DDPStrategy):
         assert isinstance(self.model, DistributedDataParallel)
         if self.share == "gradients":
             self.hook_state = register_threshold_hook(
-                self.model, **self._settings, **self._hook_settings
+                self.model, options=self.options, **self._hook_settings
             )
         if self._restore_from is not None:
             load_rank_state(_RankFile(self), self._rank_file(self._restore_from))
@@ -117,9 +114,7 @@ class GradshareDDPStrategy(DDPStrategy):
                     "share='gradients'."
                 )
             assert isinstance(self.model, DistributedDataParallel)
-            shared = SharedOptimizer(
-                self.optimizers[0], ddp=self.model, reduction=self._reduction, **self._settings
-            )
+            shared = SharedOptimizer(self.optimizers[0], ddp=self.model, options=self.options)
             self.optimizers = [shared]  # schedulers keep working: same param_groups
 
     def _rank_file(self, checkpoint: Path) -> Path:

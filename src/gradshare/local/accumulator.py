@@ -14,17 +14,15 @@ import copy
 import threading
 import time
 from collections.abc import Sequence
-from datetime import timedelta
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
 from gradshare import codec
-from gradshare._checks import check_int, to_seconds
+from gradshare._checks import check_int
 from gradshare.codec._flat import views
 from gradshare.encoding.encoder import Encoder, EncodeStats
-from gradshare.encoding.residual import ResidualPostProcessor
-from gradshare.encoding.threshold import ThresholdAlgorithm, resolve_or_dense
+from gradshare.encoding.options import EncodingOptions, encoding_options
 from gradshare.local.tail import IndexedTail
 
 __all__ = [
@@ -73,49 +71,36 @@ class EncodedGradientsAccumulator:
 
     Args:
         num_parties: how many parties (workers) there are.
-        threshold: the threshold algorithm, cloned for each party (None:
-            :func:`gradshare.encoding.threshold.default_threshold`).
-        dense: share the exact dense updates instead of encoded ones (the oracle).
-        post_processor: residual post-processing, cloned for each party.
-        boundary: the most entries a sparse message may carry.
-        magnitude: what each sent entry carries (see :class:`~gradshare.Encoder`).
         queue_size: rounds of messages each queue may hold before ``store_update`` raises
             (default 2, as DL4J); DL4J sizes this memory as :func:`optimal_buffer_size`.
-        reduction: ``"sum"`` (DL4J) or ``"mean"`` over the active parties.
-        timeout: seconds (or a timedelta) a party waits for the others before raising
-            (default :data:`DEFAULT_TIMEOUT`).
+        options: the encoding settings (:class:`~gradshare.EncodingOptions`), or give its
+            fields as keywords: ``threshold`` (cloned for each party), ``post_processor``
+            (cloned for each party), ``boundary``, ``magnitude``, ``dense`` (share the exact
+            dense updates: the oracle), ``reduction`` (``"sum"`` by default, as DL4J; or
+            ``"mean"`` over the active parties), ``timeout`` (how long a party waits for the
+            others).
     """
 
     def __init__(
         self,
         num_parties: int,
         *,
-        threshold: ThresholdAlgorithm | None = None,
-        dense: bool = False,
-        post_processor: ResidualPostProcessor | None = None,
-        boundary: int | None = None,
-        magnitude: Literal["threshold", "mean"] = "threshold",
         queue_size: int | None = None,
-        reduction: Literal["sum", "mean"] = "sum",
-        timeout: float | timedelta | None = None,
+        options: EncodingOptions | None = None,
+        **encoding: Any,
     ) -> None:
         check_int(num_parties, "num_parties")
-        if reduction not in ("sum", "mean"):
-            raise ValueError(f'Expect `reduction` "sum" or "mean", got {reduction!r}.')
+        self.options = encoding_options(options, encoding, "EncodedGradientsAccumulator")
         queue_size = DEFAULT_QUEUE_SIZE if queue_size is None else queue_size
         check_int(queue_size, "queue_size")
-        algorithm = resolve_or_dense(threshold, dense)
         self.num_parties = num_parties
-        self.dense = algorithm is None
+        self.dense = self.options.dense
         self.encoders: list[Encoder] | None = None
-        if algorithm is not None:
-            self.encoders = [
-                Encoder(algorithm.clone(), copy.deepcopy(post_processor), boundary, magnitude)
-                for _ in range(num_parties)
-            ]
+        if not self.dense:
+            self.encoders = [self.options.encoder() for _ in range(num_parties)]
         self.queue_size = queue_size
-        self.reduction = reduction
-        self.timeout = to_seconds(timeout)
+        self.reduction = self.options.reduce("sum")
+        self.timeout = self.options.seconds()
         self._lock = threading.Lock()
         self._queues: list[list[tuple[int, int, torch.Tensor]]] = [[] for _ in range(num_parties)]
         self._buffers: list[torch.Tensor | None] = [None] * num_parties

@@ -14,8 +14,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from datetime import timedelta
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
@@ -24,8 +23,7 @@ from gradshare import codec
 from gradshare._checks import check_int
 from gradshare.codec import threads
 from gradshare.codec._flat import views
-from gradshare.encoding.residual import ResidualPostProcessor
-from gradshare.encoding.threshold import ThresholdAlgorithm
+from gradshare.encoding.options import EncodingOptions, encoding_options
 from gradshare.local.accumulator import AccumulatorError, EncodedGradientsAccumulator
 
 __all__ = ["ParallelWrapper", "StepStats"]
@@ -77,17 +75,13 @@ class ParallelWrapper:
         optimizer_factory: ``params -> torch.optim.Optimizer``, called once per replica.
         loss_fn: ``(output, target) -> scalar loss``.
         num_workers: replicas and threads.
-        threshold: the threshold algorithm (cloned per worker; None:
-            :func:`gradshare.encoding.threshold.default_threshold`).
-        dense: share exact dense updates instead, the oracle the encoded mode is compared to.
-        post_processor: residual post-processing (cloned per worker).
         devices: one device per worker; default one per GPU when several are present, else
             the model's device for all.
-        reduction: ``"sum"`` (DL4J: each worker's update applies in full) or ``"mean"``.
-        boundary: the most entries a sparse message may carry.
-        magnitude: what each sent entry carries (see :class:`~gradshare.Encoder`).
-        timeout: seconds (or a timedelta) a worker waits for the others before failing
-            (default :data:`gradshare._checks.DEFAULT_TIMEOUT`).
+        options: the encoding settings (:class:`~gradshare.EncodingOptions`), or give its
+            fields as keywords: ``threshold`` (cloned per worker), ``post_processor``,
+            ``boundary``, ``magnitude``, ``dense`` (share exact dense updates: the oracle),
+            ``reduction`` (``"sum"`` by default, DL4J: each worker's update applies in full;
+            or ``"mean"``), ``timeout`` (how long a worker waits for the others).
 
     Example::
 
@@ -105,15 +99,11 @@ class ParallelWrapper:
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
         *,
         num_workers: int = 2,
-        threshold: ThresholdAlgorithm | None = None,
-        dense: bool = False,
-        post_processor: ResidualPostProcessor | None = None,
         devices: Sequence[torch.device | str] | None = None,
-        reduction: Literal["sum", "mean"] = "sum",
-        boundary: int | None = None,
-        magnitude: Literal["threshold", "mean"] = "threshold",
-        timeout: float | timedelta | None = None,
+        options: EncodingOptions | None = None,
+        **encoding: Any,
     ) -> None:
+        options = encoding_options(options, encoding, "ParallelWrapper")
         if not isinstance(model, nn.Module):
             raise TypeError(f"Expect `model` to be a torch.nn.Module, got {type(model).__name__}.")
         check_int(num_workers, "num_workers")
@@ -141,16 +131,7 @@ class ParallelWrapper:
             self._update.append(torch.empty_like(self._flat[-1]))
             self.replicas.append(replica)
         self.optimizers = [optimizer_factory(r.parameters()) for r in self.replicas]
-        self.accumulator = EncodedGradientsAccumulator(
-            num_workers,
-            threshold=threshold,
-            dense=dense,
-            post_processor=post_processor,
-            boundary=boundary,
-            magnitude=magnitude,
-            reduction=reduction,
-            timeout=timeout,
-        )
+        self.accumulator = EncodedGradientsAccumulator(num_workers, options=options)
         self.iteration = 0
         self.epoch = 0
         self.history: list[StepStats] = []

@@ -1,0 +1,170 @@
+"""The encoding options are declared once (``EncodingOptions``) and every front end takes the
+same keywords: each field reaches the front end's encoders, a bad value is refused alike, an
+unknown keyword is named."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import itertools
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import gradshare.encoding.options as options_module
+from gradshare import (
+    EncodedGradientsAccumulator,
+    EncodingOptions,
+    FixedThreshold,
+    LocalSteps,
+    ParallelWrapper,
+    ResidualClipping,
+    SharedOptimizer,
+    ThresholdHookState,
+    register_threshold_hook,
+)
+from gradshare.encoding.options import FIELDS
+
+from world import spawn
+
+SET = {
+    "threshold": FixedThreshold(0.25),
+    "post_processor": ResidualClipping(3, 2),
+    "boundary": 7,
+    "magnitude": "mean",
+    "reduction": "sum",
+    "timeout": timedelta(seconds=42),
+}
+"""A value other than the default for every field but ``dense`` (checked on its own)."""
+
+
+def test_the_fields_are_the_documented_ones() -> None:
+    assert FIELDS == (
+        "threshold", "post_processor", "boundary", "magnitude", "dense", "reduction", "timeout",
+    )  # fmt: skip
+    assert set(SET) | {"dense"} == set(FIELDS)
+
+
+def test_every_field_has_a_docstring() -> None:
+    """torchtitan's manner: a string right under each field says what it is."""
+    source = Path(options_module.__file__).read_text()
+    body = next(
+        n
+        for n in ast.parse(source).body
+        if isinstance(n, ast.ClassDef) and n.name == "EncodingOptions"
+    ).body
+    documented = {
+        a.target.id
+        for a, b in itertools.pairwise(body)
+        if isinstance(a, ast.AnnAssign) and isinstance(a.target, ast.Name)
+        and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant)
+    }  # fmt: skip
+    assert documented == {f.name for f in dataclasses.fields(EncodingOptions)}
+
+
+@pytest.mark.parametrize(
+    ("field", "bad", "error"),
+    [
+        ("threshold", 0.5, TypeError),
+        ("post_processor", "clip", TypeError),
+        ("boundary", 0, ValueError),
+        ("magnitude", "max", ValueError),
+        ("dense", 1, TypeError),
+        ("reduction", "avg", ValueError),
+        ("timeout", -1, ValueError),
+    ],
+)
+def test_a_bad_value_is_refused_naming_its_field(field: str, bad: Any, error: type) -> None:
+    with pytest.raises(error, match=f"`{field}`"):
+        EncodingOptions(**{field: bad})
+
+
+def test_dense_refuses_a_threshold() -> None:
+    with pytest.raises(ValueError, match="`threshold` with `dense=True`"):
+        EncodingOptions(dense=True, threshold=FixedThreshold(1.0))
+
+
+def _check_encoder(enc: Any) -> None:
+    assert enc.algorithm is not SET["threshold"] and repr(enc.algorithm) == repr(SET["threshold"])
+    assert enc.post_processor is not SET["post_processor"]
+    assert repr(enc.post_processor) == repr(SET["post_processor"])
+    assert enc.boundary == 7 and enc.magnitude == "mean"
+
+
+def test_the_local_front_ends_take_every_field() -> None:
+    acc = EncodedGradientsAccumulator(2, **SET)
+    assert acc.options == EncodingOptions(**SET)
+    assert acc.reduction == "sum" and acc.timeout == 42
+    assert acc.encoders is not None
+    for enc in acc.encoders:
+        _check_encoder(enc)
+    assert acc.encoders[0].algorithm is not acc.encoders[1].algorithm  # each party its own
+    wrapper = ParallelWrapper(torch.nn.Linear(2, 1), torch.optim.SGD, torch.nn.MSELoss(),
+                              **SET)  # fmt: skip
+    assert wrapper.accumulator.options == acc.options
+    assert EncodedGradientsAccumulator(2, dense=True).encoders is None
+    with pytest.raises(TypeError, match=r"unexpected keyword\(s\) \['thresold'\]"):
+        EncodedGradientsAccumulator(2, thresold=FixedThreshold(1.0))
+    with pytest.raises(TypeError, match="in one place"):
+        EncodedGradientsAccumulator(2, options=EncodingOptions(), boundary=3)
+
+
+def _rank_front_ends(rank: int, world: int) -> dict[str, str]:
+    """Every distributed front end built with every field (and the hook state through both
+    spellings); returns what each kept."""
+    out = {}
+    model = torch.nn.Linear(3, 2)
+    shared = SharedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), **SET)
+    assert shared.encoder is not None
+    _check_encoder(shared.encoder)
+    assert shared.reduction == "sum" and shared.timeout == SET["timeout"]
+    out["shared"] = repr(shared.options)
+    state = ThresholdHookState(**SET)
+    assert state.options == EncodingOptions(**SET) and state.timeout == SET["timeout"]
+    encoders = state.parameters.for_params([((0, 0), 4)], torch.device("cpu"))
+    _check_encoder(encoders[0])
+    assert state.divisor(world) == 1  # "sum"
+    assert ThresholdHookState().divisor(world) == world  # the hook's default: DDP's mean
+    ddp = DDP(torch.nn.Linear(3, 2))
+    hooked = register_threshold_hook(ddp, options=EncodingOptions(**SET), momentum=0.5)
+    assert hooked.options == state.options and hooked.momentum == 0.5
+    local_model = torch.nn.Linear(3, 2)
+    inner = torch.optim.SGD(local_model.parameters(), lr=0.1)
+    with LocalSteps(local_model, inner, 2, **SET) as sync:
+        for enc in sync.encoders:
+            _check_encoder(enc)
+        assert sync.timeout == SET["timeout"] and sync._divisor() == 1
+        out["local"] = repr(sync.options)
+    dense = SharedOptimizer(torch.optim.SGD(torch.nn.Linear(3, 2).parameters(), lr=0.1),
+                            dense=True)  # fmt: skip
+    assert dense.encoder is None
+    # the default reductions: DL4J's sum alone, DDP's mean with ddp=
+    assert SharedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1)).reduction == "sum"
+    ddp2 = DDP(torch.nn.Linear(3, 2))
+    opt2 = torch.optim.SGD(ddp2.parameters(), lr=0.1)
+    assert SharedOptimizer(opt2, ddp=ddp2).reduction == "mean"
+    dist.barrier()
+    return out
+
+
+def test_the_distributed_front_ends_take_every_field() -> None:
+    results = [r.get() for r in spawn(_rank_front_ends, 2)]
+    assert results[0] == results[1]
+
+
+def test_the_lightning_strategy_takes_every_field() -> None:
+    """Lightning's own ``timeout`` is DDPStrategy's, so gradshare's is ``gradshare_timeout``."""
+    pytest.importorskip("lightning")
+    from gradshare.integrations import GradshareDDPStrategy
+
+    fields = {k: v for k, v in SET.items() if k != "timeout"}
+    strategy = GradshareDDPStrategy(gradshare_timeout=SET["timeout"], momentum=0.5, **fields)
+    assert strategy.options == EncodingOptions(**SET)
+    assert GradshareDDPStrategy(dense=True).options.dense
+    with pytest.raises(ValueError, match="`magnitude`"):
+        GradshareDDPStrategy(magnitude="max")
