@@ -34,7 +34,8 @@ class TestTrain:
     def test_end_to_end_encoded_matches_dense(
         self, tmp_path: Path, capsys: pytest.CaptureFixture[str]
     ) -> None:
-        """Default model and data, 4 workers: files written, accuracy within 2 points, > 20x."""
+        """Default model and data, 4 workers: files written, accuracy within 2 points, > 20x;
+        local steps (processes, a sync every 5 steps) within 3 points at > 100x."""
         assert main(["train", "--out", str(tmp_path), *QUIET]) == 0
         out = capsys.readouterr().out
         assert "compression" in out and "gradshare" in out
@@ -48,6 +49,9 @@ class TestTrain:
         assert dense["accuracy"] > 0.9
         assert abs(encoded["accuracy"] - dense["accuracy"]) <= 0.02, runs
         assert encoded["compression_ratio"] > 20
+        local = runs["local-steps"]
+        assert abs(local["accuracy"] - dense["accuracy"]) <= 0.03, runs
+        assert local["compression_ratio"] > 100
         with (tmp_path / "metrics.csv").open() as f:
             rows = list(csv.DictReader(f))
         assert list(rows[0]) == COLUMNS
@@ -59,9 +63,14 @@ class TestTrain:
         }
         sent = sum(int(r["message_bytes"]) for r in rows if r["run"] == "gradshare")
         assert sent == encoded["bytes_sent"]
+        local_rows = [r for r in rows if r["run"] == "local-steps"]
+        syncs = {r["step"] for r in local_rows if r["format"] == "sync"}
+        assert syncs == {str(s) for s in range(4, 1 + max(int(r["step"]) for r in local_rows), 5)}
+        assert all(int(r["message_bytes"]) == 0 for r in local_rows if r["format"] == "local")
 
     def test_same_seed_same_numbers(self, tmp_path: Path) -> None:
-        argv = ["train", "--epochs", "1", "--clip", "5:5", "--optimizer", "adam", "--lr", "0.01"]
+        argv = ["train", "--epochs", "1", "--clip", "5:5", "--optimizer", "adam", "--lr", "0.01",
+                "--local-steps", "0"]  # fmt: skip
         for name in ("a", "b"):
             assert main([*argv, "--out", str(tmp_path / name), *QUIET]) == 0
         a, b = (_summary(tmp_path / n)["runs"] for n in ("a", "b"))
@@ -73,7 +82,8 @@ class TestTrain:
         ).read_text()
 
     def test_distributed_mode(self, tmp_path: Path) -> None:
-        argv = ["train", "--mode", "distributed", "--workers", "2", "--epochs", "2"]
+        argv = ["train", "--mode", "distributed", "--workers", "2", "--epochs", "2",
+                "--local-steps", "0"]  # fmt: skip
         assert main([*argv, "--out", str(tmp_path), *QUIET]) == 0
         runs = _summary(tmp_path)["runs"]
         assert runs["gradshare"]["bytes_sent"] < runs["dense"]["bytes_sent"] / 5
@@ -112,6 +122,9 @@ def test_command_line_is_built_from_train_config() -> None:
         (["--lr", "-inf"], "--lr"),
         (["--epochs", "0"], "--epochs"),
         (["--device", "tpu"], "--device"),
+        (["--local-steps", "-1"], "--local-steps"),
+        (["--density", "0.1"], "--density"),
+        (["--density", "0"], "--density"),
         (["--out", "/etc/hostname/run"], "cannot write to --out"),
     ],
 )
@@ -200,7 +213,8 @@ def test_ctrl_c_to_the_parent_stops_every_rank(tmp_path: Path) -> None:
     """SIGINT to `gradshare train --mode distributed` alone left it waiting forever on ranks
     that kept training; now it stops them, says so in one line and exits 130."""
     cmd = [sys.executable, "-m", "gradshare.app.cli", "train", "--mode", "distributed",
-           "--workers", "2", "--epochs", "200", "--out", str(tmp_path), *QUIET]  # fmt: skip
+           "--workers", "2", "--epochs", "200", "--local-steps", "0", "--out", str(tmp_path),
+           *QUIET]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120

@@ -19,13 +19,13 @@ COLUMNS = [
 
 def summary_table(results: list[RunResult]) -> str:
     head = (
-        f"{'run':<10} {'accuracy':>9} {'time s':>8} {'bytes sent':>14} {'dense bytes':>14} "
+        f"{'run':<12} {'accuracy':>9} {'time s':>8} {'bytes sent':>14} {'dense bytes':>14} "
         f"{'compression':>12}"
     )
     lines = [head, "-" * len(head)]
     for r in results:
         lines.append(
-            f"{r.name:<10} {r.accuracy:>9.4f} {r.seconds:>8.1f} {r.bytes_sent:>14,} "
+            f"{r.name:<12} {r.accuracy:>9.4f} {r.seconds:>8.1f} {r.bytes_sent:>14,} "
             f"{r.dense_bytes:>14,} {r.compression_ratio:>11.1f}x"
         )
     return "\n".join(lines)
@@ -62,7 +62,8 @@ def _per_step(rows: list[dict[str, Any]], key: str) -> tuple[list[int], list[flo
 
 
 def plot(results: list[RunResult], path: Path) -> None:
-    """Loss and accuracy of every run, gradshare's threshold and density, cumulative bytes."""
+    """Loss and accuracy of every run, gradshare's threshold and density, cumulative bytes (the
+    local-steps run's syncs marked on its bytes and, as faint lines, on the loss)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -80,7 +81,16 @@ def plot(results: list[RunResult], path: Path) -> None:
             total += row["message_bytes"]
             seen.append(row["step"])
             cumulative.append(total)
-        bytes_ax.plot(seen, cumulative, label=r.name)
+        line = bytes_ax.plot(seen, cumulative, label=r.name)[0]
+        syncs = [i for i, row in enumerate(sorted(r.rows, key=lambda x: x["step"]))
+                 if row.get("format") == "sync"]  # fmt: skip
+        if syncs:  # local steps: a mark at every sync, on the loss curve too
+            marks = ([seen[i] for i in syncs], [cumulative[i] for i in syncs])
+            bytes_ax.plot(*marks, "|", color=line.get_color(), markersize=9,
+                          label=f"{r.name} syncs")  # fmt: skip
+            sync_steps = sorted({seen[i] for i in syncs})
+            for s in sync_steps:
+                loss_ax.axvline(s, color=line.get_color(), lw=0.3, alpha=0.4)
         if any(row["threshold"] is not None for row in r.rows):
             steps, thr = _per_step(r.rows, "threshold")
             thr_ax.plot(steps, thr, color="tab:orange", label=f"{r.name} threshold")

@@ -1,10 +1,12 @@
-"""The main job: one model trained with dense updates and with gradshare, side by side.
+"""The main job: one model trained with dense updates, with gradshare, and with local steps.
 
 ``gradshare train`` runs :func:`run`: scikit-learn's digits, an MLP, ``workers`` replicas
 (threads through :class:`~gradshare.ParallelWrapper`, or processes through
 :class:`~gradshare.SharedOptimizer` over gloo), first sharing exact dense updates, then
-threshold-encoded ones, with the same seed, data order and optimizer. Every step of every
-worker is recorded; :mod:`gradshare.app.report` writes the files and the plot.
+threshold-encoded ones every step, then (processes, :class:`~gradshare.LocalSteps`) syncing
+encoded pseudo-gradients every ``local_steps`` steps, with the same seed, data order and
+optimizer. Every step of every worker is recorded; :mod:`gradshare.app.report` writes the files
+and the plot.
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
     "adam": lambda params, lr: torch.optim.Adam(params, lr=lr),
 }
 THRESHOLD_KINDS = ("adaptive", "fixed", "target")
+LOCAL = "local-steps"
+"""The run that syncs every ``local_steps`` steps (processes, LocalSteps)."""
 
 
 def parse_threshold(spec: str) -> ThresholdAlgorithm:
@@ -103,10 +107,23 @@ class TrainConfig:
     """Seed: the same seed, the same numbers."""
     device: str = "cpu"
     """cpu or cuda[:N]."""
-    runs: tuple[str, ...] = ("dense", "gradshare")
-    """Which runs, in order (not an option: the command runs both)."""
+    local_steps: int = 5
+    """Inner steps between the syncs of the local-steps run (0: no such run)."""
+    density: float = 0.04
+    """Fraction of each parameter a local-steps sync sends, in (0, 1/16), or 1.0 (dense)."""
+    runs: tuple[str, ...] = ("dense", "gradshare", "local-steps")
+    """Which runs, in order (not an option: the command runs all three)."""
 
     def __post_init__(self) -> None:
+        local = self.local_steps
+        if isinstance(local, bool) or not isinstance(local, int) or local < 0:
+            raise ValueError(f"--local-steps must be an integer >= 0, got {local!r}")
+        d = self.density
+        if not (isinstance(d, (int, float)) and (0 < d < 1 / 16 or d == 1.0)):
+            raise ValueError(
+                f"--density must be in (0, 0.0625) or exactly 1.0, got {d!r}: it is the "
+                "fraction of each parameter a sync sends (1.0: dense syncs)"
+            )
         for name in ("workers", "epochs", "batch_size", "hidden"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -261,7 +278,6 @@ def _free_port() -> int:
 
 
 def _rank_main(rank: int, config: TrainConfig, name: str, port: int, tmp: str) -> None:
-    from gradshare.distributed.shared_optimizer import SharedOptimizer
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -271,6 +287,25 @@ def _rank_main(rank: int, config: TrainConfig, name: str, port: int, tmp: str) -
     dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
     split = digits(seed=config.seed)
     model = _model(config, split).to(device)
+    if name == LOCAL:
+        result = _train_local(config, model, split, rank, world, device)
+    else:
+        result = _train_shared(config, name, model, split, rank, world, device)
+    torch.save(asdict(result), Path(tmp) / f"rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def _rank_batches(config: TrainConfig, split: Split, epoch: int, rank: int, world: int) -> list:
+    batches = _epoch_batches(config, split, epoch)
+    return batches[: len(batches) // world * world][rank::world]
+
+
+def _train_shared(
+    config: TrainConfig, name: str, model: nn.Module, split: Split, rank: int, world: int,
+    device: torch.device,
+) -> RunResult:  # fmt: skip
+    from gradshare.distributed.shared_optimizer import SharedOptimizer
+
     opt = SharedOptimizer(
         OPTIMIZERS[config.optimizer](model.parameters(), config.lr),
         threshold=None if name == "dense" else parse_threshold(config.threshold),
@@ -281,8 +316,7 @@ def _rank_main(rank: int, config: TrainConfig, name: str, port: int, tmp: str) -
     numel = sum(p.numel() for p in model.parameters())
     step = 0
     for epoch in range(config.epochs):
-        batches = _epoch_batches(config, split, epoch)
-        for x, y in batches[: len(batches) // world * world][rank::world]:
+        for x, y in _rank_batches(config, split, epoch, rank, world):
             opt.zero_grad()
             loss = F.cross_entropy(model(x.to(device)), y.to(device))
             loss.backward()
@@ -290,8 +324,59 @@ def _rank_main(rank: int, config: TrainConfig, name: str, port: int, tmp: str) -
             result.rows.append(_row(name, epoch, step, rank, float(loss), opt.last_stats, numel))
             step += 1
         result.epochs.append({"epoch": epoch, **_evaluate(model, split, device)})
-    torch.save(asdict(result), Path(tmp) / f"rank{rank}.pt")
-    dist.destroy_process_group()
+    return result
+
+
+def _train_local(
+    config: TrainConfig, model: nn.Module, split: Split, rank: int, world: int,
+    device: torch.device,
+) -> RunResult:  # fmt: skip
+    """Each rank steps alone; every ``local_steps`` steps a LocalSteps sync, whose outer
+    gradient is the ranks' pseudo-gradients summed, as the other two runs sum the workers'
+    updates (DL4J's rule; averaging them would take a quarter of the step with 4 workers). A
+    row's bytes are
+    what the sync of that step sent (0 between syncs), its dense bytes what DDP would have
+    sent that step (4 per element), so the compression is against every-step dense sharing."""
+    from gradshare.distributed.local_steps import LocalSteps
+
+    inner = OPTIMIZERS[config.optimizer](model.parameters(), config.lr)
+    result = RunResult(LOCAL)
+    numel = sum(p.numel() for p in model.parameters())
+    step = 0
+    # summed like the other runs' updates (DL4J's sum), not averaged
+    sync = LocalSteps(model, inner, config.local_steps, density=config.density, reduction="sum")
+    with sync:
+        for epoch in range(config.epochs):
+            for x, y in _rank_batches(config, split, epoch, rank, world):
+                inner.zero_grad()
+                loss = F.cross_entropy(model(x.to(device)), y.to(device))
+                loss.backward()
+                sent, syncs = sync.bytes_sent, sync.syncs
+                inner.step()  # every local_steps-th step ends with the sync
+                result.rows.append(_local_row(epoch, step, rank, float(loss.detach()), sync, syncs,
+                                              sync.bytes_sent - sent, numel))  # fmt: skip
+                step += 1
+            result.epochs.append({"epoch": epoch, **_evaluate(model, split, device)})
+    return result
+
+
+def _local_row(
+    epoch: int, step: int, worker: int, loss: float, sync: Any, before: int, sent: int,
+    numel: int,
+) -> dict[str, Any]:  # fmt: skip
+    row = {"run": LOCAL, "epoch": epoch, "step": step, "worker": worker, "loss": loss,
+           "message_bytes": sent, "dense_bytes": 4 * numel, "clipped": 0.0}  # fmt: skip
+    if sync.syncs == before:
+        return {**row, "threshold": None, "density": 0.0, "format": "local", "residual_norm": 0.0}
+    stats = [e.last_stats for e in sync.encoders if e.last_stats is not None]
+    entries = sum(s.entries for s in stats)
+    return {
+        **row,
+        "threshold": max((s.threshold for s in stats), default=None),
+        "density": entries / numel if stats else 1.0,
+        "format": "sync",
+        "residual_norm": sum(s.residual_norm**2 for s in stats) ** 0.5,
+    }
 
 
 def _stop(processes: list[Any], grace: float = 5.0) -> None:
@@ -351,12 +436,12 @@ def _tick(bar: Any, result: RunResult, n: int = 1) -> None:
 
 
 def run_one(config: TrainConfig, name: str, progress: bool = True) -> RunResult:
-    """Train once: ``name`` is ``dense`` (exact updates) or ``gradshare`` (encoded)."""
+    """Train once: ``name`` is ``dense`` (exact updates), ``gradshare`` (encoded every step)
+    or ``local-steps`` (LocalSteps, always as processes)."""
     split = digits(seed=config.seed)
     batches = -(-len(split.y_train) // config.batch_size)
-    rounds = (
-        -(-batches // config.workers) if config.mode == "parallel" else batches // config.workers
-    )
+    processes = config.mode == "distributed" or name == LOCAL
+    rounds = batches // config.workers if processes else -(-batches // config.workers)
     bar = None
     if progress:
         from tqdm.auto import tqdm
@@ -364,7 +449,7 @@ def run_one(config: TrainConfig, name: str, progress: bool = True) -> RunResult:
         bar = tqdm(total=config.epochs * rounds, desc=f"{name:>9}", unit="step", leave=True)
     start = time.perf_counter()
     try:
-        runner = _run_parallel if config.mode == "parallel" else _run_distributed
+        runner = _run_distributed if processes else _run_parallel
         result = runner(config, name, split, bar)
     finally:
         if bar is not None:
@@ -374,6 +459,8 @@ def run_one(config: TrainConfig, name: str, progress: bool = True) -> RunResult:
 
 
 def run(config: TrainConfig, progress: bool = True) -> Iterator[RunResult]:
-    """Each of ``config.runs`` in turn, with the same seed and data."""
+    """Each of ``config.runs`` in turn, with the same seed and data (the local-steps run
+    only with ``local_steps >= 1``)."""
     for name in config.runs:
-        yield run_one(config, name, progress)
+        if name != LOCAL or config.local_steps:
+            yield run_one(config, name, progress)
