@@ -193,6 +193,71 @@ class TestRankFiles:
             load_rank_state(_Counter(), tmp_path / "absent.pt")
 
 
+def _rank_load(
+    rank: int, world: int, tmp: Path, tokens: list[dict | None], ckpt: dict | None
+) -> str:
+    """Rank ``rank`` writes its file with ``tokens[rank]``, then every rank loads its own,
+    ``ckpt`` being the framework checkpoint's token; returns the error, or "loaded"."""
+    from gradshare.integrations import SaveToken, load_rank_state, save_rank_state
+
+    token = None if tokens[rank] is None else SaveToken(**tokens[rank])
+    path = save_rank_state(_Counter(10 + rank), tmp / f"r{rank}.pt", token=token)
+    restored = _Counter(-1)
+    try:
+        load_rank_state(restored, path, token=None if ckpt is None else SaveToken(**ckpt))
+    except ValueError as e:
+        assert restored.n == -1  # nothing restored
+        return str(e)
+    assert restored.n == 10 + rank
+    return "loaded"
+
+
+def _rank_save_and_load(rank: int, world: int, tmp: Path) -> tuple[int, int]:
+    """Two saves with agreed tokens: every rank draws the same id, new each save."""
+    from gradshare.integrations import load_rank_state, new_token, save_rank_state
+
+    first, second = new_token(5), new_token(10)
+    assert first.id != second.id and (first.step, second.step) == (5, 10)
+    path = save_rank_state(_Counter(rank), tmp / f"r{rank}.pt", token=second)
+    restored = _Counter(-1)
+    load_rank_state(restored, path, token=second)
+    return second.id, restored.n
+
+
+class TestSaveTokens:
+    """Every save's token, in each rank's file and in the framework checkpoint: a rank file
+    left from another save (a rank killed while a checkpoint was written) was accepted, and
+    the fit resumed, exit 0, to other parameters."""
+
+    def test_tokens_are_agreed_and_round_trip(self, tmp_path: Path) -> None:
+        results = [r.get() for r in spawn(_rank_save_and_load, WORLD, tmp_path)]
+        ids, restored = zip(*results, strict=True)
+        assert len(set(ids)) == 1 and list(restored) == list(range(WORLD))
+
+    def test_a_stale_rank_file_is_refused_on_every_rank(self, tmp_path: Path) -> None:
+        """Rank 1's file is left from the save of step 5; the checkpoint is of step 10."""
+        new, old = {"id": 7, "step": 10}, {"id": 3, "step": 5}
+        out = [r.get() for r in spawn(_rank_load, WORLD, tmp_path, [new, old], new)]
+        assert out[1].startswith(f"{tmp_path / 'r1.pt'} is from another save"), out[1]
+        assert "the file is of step 5, the checkpoint of step 10" in out[1]
+        assert "Rank(s) [1] could not load" in out[0], out[0]
+
+    def test_ranks_with_files_of_different_saves_refuse_alike(self, tmp_path: Path) -> None:
+        """No token from the framework: the ranks' own files still must agree."""
+        new, old = {"id": 7, "step": 10}, {"id": 3, "step": 5}
+        for r in spawn(_rank_load, WORLD, tmp_path, [new, old], None):
+            assert "different saves (rank 0's of step 10, rank 1's of step 5" in r.get()
+
+    def test_a_damaged_file_is_named(self, tmp_path: Path) -> None:
+        """torch's raw zip error came without the file's name."""
+        from gradshare.integrations import load_rank_state
+
+        path = tmp_path / "r.pt"
+        path.write_bytes(b"PK\x03\x04 cut short")
+        with pytest.raises(ValueError, match=f"Cannot read gradshare's rank file {path}"):
+            load_rank_state(_Counter(), path)
+
+
 def _python(code: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     return subprocess.run(
