@@ -21,15 +21,26 @@ WORLD = 2
 INSTALL = "pip install -e '.[integrations]'"
 
 
-def run_example(script: str, *args: str | Path) -> subprocess.CompletedProcess[str]:
+def run_example(
+    script: str, *args: str | Path, fails: bool = False
+) -> subprocess.CompletedProcess[str]:
+    """Run ``examples/<script>``; it must succeed (or with ``fails``, exit non-zero)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
     run = subprocess.run(
         [sys.executable, str(ROOT / "examples" / script), *map(str, args)],
         capture_output=True, text=True, timeout=240, env=env, cwd=ROOT,
     )  # fmt: skip
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    assert (run.returncode != 0) == fails, run.stdout[-2000:] + run.stderr[-4000:]
     return run
+
+
+def make_stale(rank_file: Path) -> None:
+    """Leave ``rank_file`` as if from the save before: the same state, an older token (a
+    rank killed while the checkpoint was written keeps its previous file)."""
+    saved = torch.load(rank_file, weights_only=True)
+    saved["token"] = {"id": saved["token"]["id"] ^ 1, "step": saved["token"]["step"] - 1}
+    torch.save(saved, rank_file)
 
 
 def assert_rank_files(paths: list[Path]) -> None:
@@ -118,6 +129,49 @@ class TestLightning:
         resumed = torch.load(tmp_path / "resumed.pt", weights_only=True)
         assert torch.equal(whole, resumed)
         assert torch.equal(whole, plain_ddp("lightning", 2, 3, share))
+
+    def test_stale_and_plain_checkpoints(self, tmp_path: Path) -> None:
+        """A rank file left from the save before was accepted (exit 0, other parameters); a
+        checkpoint of plain "ddp" (no rank files) could not be resumed at all: now refused,
+        unless ``resume_without_rank_files=True``."""
+        pytest.importorskip("lightning", reason=f"needs Lightning: {INSTALL}")
+        ckpt = tmp_path / "ckpt"
+        epochs = ["--steps-per-epoch", "2", "--epochs", "1"]
+        run_example("lightning_ddp.py", *epochs, "--checkpoint-dir", ckpt)
+        saved = ckpt / "step=2.ckpt"
+        assert torch.load(saved, weights_only=False)["gradshare"]["step"] == 2
+        make_stale(lightning_rank_file(saved, 1))
+        stale = run_example("lightning_ddp.py", *epochs, "--resume", saved, fails=True)
+        assert f"{lightning_rank_file(saved, 1)} is from another save" in stale.stderr
+        assert "the file is of step 1, the checkpoint of step 2" in stale.stderr
+
+        checkpoint = torch.load(saved, weights_only=False)
+        del checkpoint["gradshare"]
+        torch.save(checkpoint, saved)  # as plain "ddp" saves it: no token, no rank files
+        for r in range(WORLD):
+            lightning_rank_file(saved, r).unlink()
+        plain = run_example("lightning_ddp.py", *epochs, "--resume", saved, fails=True)
+        assert "resume_without_rank_files=True" in plain.stderr
+        resumed = run_example(
+            "lightning_ddp.py", "--steps-per-epoch", "2", "--epochs", "2", "--resume", saved,
+            "--resume-without-rank-files",
+        )  # fmt: skip
+        assert "step 4:" in resumed.stdout
+
+    def test_process_group_timeout_follows_gradshare_timeout(self) -> None:
+        """Lightning broadcasts on the default group every step, under DDPStrategy's timeout
+        (torch's 30 minutes): a hung rank held the others that long whatever
+        ``gradshare_timeout`` said."""
+        pytest.importorskip("lightning", reason=f"needs Lightning: {INSTALL}")
+        from datetime import timedelta
+
+        from gradshare._checks import DEFAULT_TIMEOUT
+        from gradshare.integrations import GradshareDDPStrategy
+
+        assert GradshareDDPStrategy(gradshare_timeout=20)._timeout == timedelta(seconds=20)
+        assert GradshareDDPStrategy()._timeout == timedelta(seconds=DEFAULT_TIMEOUT)
+        given = GradshareDDPStrategy(gradshare_timeout=20, timeout=timedelta(seconds=99))
+        assert given._timeout == timedelta(seconds=99)
 
     def test_bad_settings_are_refused(self) -> None:
         pytest.importorskip("lightning", reason=f"needs Lightning: {INSTALL}")
