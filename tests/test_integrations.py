@@ -206,6 +206,12 @@ class TestAccelerate:
         assert torch.equal(whole, resumed)
         assert torch.equal(whole, plain_ddp("accelerate", 1, 26))
 
+        make_stale(accelerate_rank_file(ckpt, 1))  # rank 1 stopped in a later save_state
+        stale = run_example("accelerate_ddp.py", *steps, "--resume", ckpt, fails=True)
+        said = stale.stderr + stale.stdout  # accelerate shows one failed rank's error
+        named = f"{accelerate_rank_file(ckpt, 1)} is from another save"
+        assert named in said or "Rank(s) [1] could not load their gradshare" in said, said
+
 
 class _Counter:
     def __init__(self, n: int = 0) -> None:
