@@ -80,11 +80,18 @@ def main() -> None:
     parser.add_argument("--checkpoint-dir", type=Path, help="save a checkpoint every epoch")
     parser.add_argument("--resume", type=Path, help="a checkpoint to resume the fit from")
     parser.add_argument("--out", type=Path, help="write the final flat parameters here")
+    parser.add_argument(
+        "--resume-without-rank-files", action="store_true",
+        help="resume a checkpoint saved without gradshare (plain ddp): empty residuals",
+    )  # fmt: skip
     args = parser.parse_args()
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     strategy = GradshareDDPStrategy(
-        share=args.share, threshold=AdaptiveThreshold(args.threshold), process_group_backend="gloo"
+        share=args.share,
+        threshold=AdaptiveThreshold(args.threshold),
+        resume_without_rank_files=args.resume_without_rank_files,
+        process_group_backend="gloo",
     )
     callbacks = []
     if args.checkpoint_dir is not None:

@@ -10,9 +10,10 @@ Each rank trains on its own share of every epoch's minibatches; the optimizer's 
 threshold-encoded, exchanged over torch.distributed (gloo on CPU, NCCL on CUDA) and applied
 alike on every rank. With ``--checkpoint-dir`` every rank saves its own state (model,
 optimizer, residual, threshold) every ``--save-every`` steps and resumes from the newest step
-that every rank saved. That is also what makes an elastic restart whole: under
-``torchrun --max-restarts=N`` a worker that dies takes the others down, torchrun starts them
-all again (``TORCHELASTIC_RESTART_COUNT`` counts the attempts), and they resume from the
+that every rank saved and can read (past a damaged file, all ranks fall back alike). That is
+also what makes an elastic restart whole: under ``torchrun --max-restarts=N`` a worker that
+dies takes the others down, torchrun starts them all again (``TORCHELASTIC_RESTART_COUNT``
+counts the attempts), and they resume from the
 checkpoints to the parameters an uninterrupted run reaches. ``--crash-at-step K`` kills the
 last rank at step K of the first attempt, to try it; ``--hierarchical`` uses
 ``SharedOptimizer(..., hierarchical=True)`` (dense inside a machine, encoded across).
@@ -46,13 +47,32 @@ def schedule(split, epochs: int, batch_size: int, rank: int, world: int) -> list
     return out
 
 
-def latest_complete(ckpt: Path, world: int) -> int:
-    """The newest step for which every rank's checkpoint exists (0 if none)."""
+def complete_steps(ckpt: Path, world: int) -> list[int]:
+    """The steps for which every rank's checkpoint exists, newest first."""
     steps = []
     for d in ckpt.glob("step*"):
         if all((d / f"rank{r}.pt").exists() for r in range(world)):
             steps.append(int(d.name[4:]))
-    return max(steps, default=0)
+    return sorted(steps, reverse=True)
+
+
+def latest_readable(ckpt: Path, rank: int, world: int) -> tuple[int, dict | None]:
+    """The newest step whose checkpoint every rank can read, and this rank's state of it
+    ((0, None) if none). The ranks agree (an all-reduce per step tried), so that all fall
+    back alike past a checkpoint that one rank cannot read (a damaged file)."""
+    for step in complete_steps(ckpt, world):
+        try:
+            state = load(ckpt, step, rank)
+        except Exception as e:  # damaged, cut short: try the one before
+            print(f"rank {rank}: cannot read its checkpoint of step {step}: {e}", flush=True)
+            state = None
+        ok = torch.tensor([state is not None], dtype=torch.int64)
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+        if ok.item():
+            return step, state
+        if rank == 0:
+            print(f"step {step} is unreadable on some rank: falling back", flush=True)
+    return 0, None
 
 
 def save(ckpt: Path, step: int, rank: int, model, opt: SharedOptimizer) -> None:
@@ -130,9 +150,8 @@ def main() -> None:
     first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     start = 0
     if args.checkpoint_dir is not None:
-        start = latest_complete(args.checkpoint_dir, world)
-        if start:
-            state = load(args.checkpoint_dir, start, rank)
+        start, state = latest_readable(args.checkpoint_dir, rank, world)
+        if state is not None:
             model.load_state_dict(state["model"])
             opt.load_state_dict(state["optimizer"])
             if rank == 0:

@@ -26,6 +26,8 @@ def test_inspect_prints_each_step(capsys: pytest.CaptureFixture[str]) -> None:
         ["inspect", "--std", "inf"],
         ["inspect", "--std=-inf"],
         ["inspect", "--std", "nan"],
+        ["inspect", "--std", "1e38"],  # normal(0, 1e38) overflows float32
+        ["inspect", "--seed", "18446744073709551616"],
     ],
 )
 def test_bad_values_exit_2_with_one_line(

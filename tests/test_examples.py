@@ -66,6 +66,26 @@ def test_killed_run_resumes_to_the_uninterrupted_result(
     assert torch.equal(torch.load(tmp_path / "resumed.pt", weights_only=True), uninterrupted)
 
 
+def test_an_unreadable_newest_checkpoint_falls_back_to_the_one_before(
+    tmp_path: Path, uninterrupted: torch.Tensor
+) -> None:
+    """Rank 1's newest file is damaged: it could not be read and the run failed, though the
+    checkpoint before was whole. Now every rank falls back to step 5, alike."""
+    ckpt = tmp_path / "ckpt"
+    crashed = torchrun(
+        "torchrun_shared.py", *STEPS, "--checkpoint-dir", ckpt, "--crash-at-step", "12"
+    )
+    assert crashed.returncode != 0
+    (ckpt / "step000010" / "rank1.pt").write_bytes(b"PK\x03\x04 cut short")
+    resumed = torchrun(
+        "torchrun_shared.py", *STEPS, "--checkpoint-dir", ckpt, "--out", tmp_path / "resumed.pt"
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "step 10 is unreadable on some rank: falling back" in resumed.stdout
+    assert "resumed from step 5" in resumed.stdout
+    assert torch.equal(torch.load(tmp_path / "resumed.pt", weights_only=True), uninterrupted)
+
+
 def test_elastic_restart_resumes_to_the_uninterrupted_result(
     tmp_path: Path, uninterrupted: torch.Tensor
 ) -> None:

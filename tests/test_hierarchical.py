@@ -173,6 +173,9 @@ def _refusal(rank: int, case: str) -> str:
         elif case == "not consecutive":
             os.environ.update(LOCAL_WORLD_SIZE="2", LOCAL_RANK=str(rank // 2))
             SharedOptimizer(sgd, hierarchical=True)
+        elif case == "disagrees":
+            os.environ.update(LOCAL_WORLD_SIZE="4", LOCAL_RANK=str(rank))
+            SharedOptimizer(sgd, hierarchical=2)
         elif case == "no env":
             SharedOptimizer(sgd, hierarchical=True)
         elif case == "checkpoint":
@@ -228,8 +231,9 @@ class TestHierarchical:
     @pytest.mark.parametrize(
         ("world", "cases", "says"),
         [(3, ["uneven"], ["whole number of equal nodes"]),
-         (4, ["not consecutive", "no env", "checkpoint"],
-          ["consecutive", "LOCAL_WORLD_SIZE", "hierarchical=2"])],
+         (4, ["not consecutive", "no env", "checkpoint", "disagrees"],
+          ["consecutive", "LOCAL_WORLD_SIZE", "hierarchical=2",
+           "`hierarchical=2` disagrees with LOCAL_WORLD_SIZE=4"])],
     )  # fmt: skip
     def test_refusals(self, world: int, cases: list[str], says: list[str]) -> None:
         """Every rank refuses alike (none is left waiting for the others)."""

@@ -21,15 +21,26 @@ WORLD = 2
 INSTALL = "pip install -e '.[integrations]'"
 
 
-def run_example(script: str, *args: str | Path) -> subprocess.CompletedProcess[str]:
+def run_example(
+    script: str, *args: str | Path, fails: bool = False
+) -> subprocess.CompletedProcess[str]:
+    """Run ``examples/<script>``; it must succeed (or with ``fails``, exit non-zero)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
     run = subprocess.run(
         [sys.executable, str(ROOT / "examples" / script), *map(str, args)],
         capture_output=True, text=True, timeout=240, env=env, cwd=ROOT,
     )  # fmt: skip
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    assert (run.returncode != 0) == fails, run.stdout[-2000:] + run.stderr[-4000:]
     return run
+
+
+def make_stale(rank_file: Path) -> None:
+    """Leave ``rank_file`` as if from the save before: the same state, an older token (a
+    rank killed while the checkpoint was written keeps its previous file)."""
+    saved = torch.load(rank_file, weights_only=True)
+    saved["token"] = {"id": saved["token"]["id"] ^ 1, "step": saved["token"]["step"] - 1}
+    torch.save(saved, rank_file)
 
 
 def assert_rank_files(paths: list[Path]) -> None:
@@ -119,6 +130,49 @@ class TestLightning:
         assert torch.equal(whole, resumed)
         assert torch.equal(whole, plain_ddp("lightning", 2, 3, share))
 
+    def test_stale_and_plain_checkpoints(self, tmp_path: Path) -> None:
+        """A rank file left from the save before was accepted (exit 0, other parameters); a
+        checkpoint of plain "ddp" (no rank files) could not be resumed at all: now refused,
+        unless ``resume_without_rank_files=True``."""
+        pytest.importorskip("lightning", reason=f"needs Lightning: {INSTALL}")
+        ckpt = tmp_path / "ckpt"
+        epochs = ["--steps-per-epoch", "2", "--epochs", "1"]
+        run_example("lightning_ddp.py", *epochs, "--checkpoint-dir", ckpt)
+        saved = ckpt / "step=2.ckpt"
+        assert torch.load(saved, weights_only=False)["gradshare"]["step"] == 2
+        make_stale(lightning_rank_file(saved, 1))
+        stale = run_example("lightning_ddp.py", *epochs, "--resume", saved, fails=True)
+        assert f"{lightning_rank_file(saved, 1)} is from another save" in stale.stderr
+        assert "the file is of step 1, the checkpoint of step 2" in stale.stderr
+
+        checkpoint = torch.load(saved, weights_only=False)
+        del checkpoint["gradshare"]
+        torch.save(checkpoint, saved)  # as plain "ddp" saves it: no token, no rank files
+        for r in range(WORLD):
+            lightning_rank_file(saved, r).unlink()
+        plain = run_example("lightning_ddp.py", *epochs, "--resume", saved, fails=True)
+        assert "resume_without_rank_files=True" in plain.stderr
+        resumed = run_example(
+            "lightning_ddp.py", "--steps-per-epoch", "2", "--epochs", "2", "--resume", saved,
+            "--resume-without-rank-files",
+        )  # fmt: skip
+        assert "step 4:" in resumed.stdout
+
+    def test_process_group_timeout_follows_gradshare_timeout(self) -> None:
+        """Lightning broadcasts on the default group every step, under DDPStrategy's timeout
+        (torch's 30 minutes): a hung rank held the others that long whatever
+        ``gradshare_timeout`` said."""
+        pytest.importorskip("lightning", reason=f"needs Lightning: {INSTALL}")
+        from datetime import timedelta
+
+        from gradshare._checks import DEFAULT_TIMEOUT
+        from gradshare.integrations import GradshareDDPStrategy
+
+        assert GradshareDDPStrategy(gradshare_timeout=20)._timeout == timedelta(seconds=20)
+        assert GradshareDDPStrategy()._timeout == timedelta(seconds=DEFAULT_TIMEOUT)
+        given = GradshareDDPStrategy(gradshare_timeout=20, timeout=timedelta(seconds=99))
+        assert given._timeout == timedelta(seconds=99)
+
     def test_bad_settings_are_refused(self) -> None:
         pytest.importorskip("lightning", reason=f"needs Lightning: {INSTALL}")
         from gradshare.integrations import GradshareDDPStrategy
@@ -151,6 +205,12 @@ class TestAccelerate:
         resumed = torch.load(tmp_path / "resumed.pt", weights_only=True)
         assert torch.equal(whole, resumed)
         assert torch.equal(whole, plain_ddp("accelerate", 1, 26))
+
+        make_stale(accelerate_rank_file(ckpt, 1))  # rank 1 stopped in a later save_state
+        stale = run_example("accelerate_ddp.py", *steps, "--resume", ckpt, fails=True)
+        said = stale.stderr + stale.stdout  # accelerate shows one failed rank's error
+        named = f"{accelerate_rank_file(ckpt, 1)} is from another save"
+        assert named in said or "Rank(s) [1] could not load their gradshare" in said, said
 
 
 class _Counter:
@@ -191,6 +251,71 @@ class TestRankFiles:
 
         with pytest.raises(FileNotFoundError, match="every rank writes its own file"):
             load_rank_state(_Counter(), tmp_path / "absent.pt")
+
+
+def _rank_load(
+    rank: int, world: int, tmp: Path, tokens: list[dict | None], ckpt: dict | None
+) -> str:
+    """Rank ``rank`` writes its file with ``tokens[rank]``, then every rank loads its own,
+    ``ckpt`` being the framework checkpoint's token; returns the error, or "loaded"."""
+    from gradshare.integrations import SaveToken, load_rank_state, save_rank_state
+
+    token = None if tokens[rank] is None else SaveToken(**tokens[rank])
+    path = save_rank_state(_Counter(10 + rank), tmp / f"r{rank}.pt", token=token)
+    restored = _Counter(-1)
+    try:
+        load_rank_state(restored, path, token=None if ckpt is None else SaveToken(**ckpt))
+    except ValueError as e:
+        assert restored.n == -1  # nothing restored
+        return str(e)
+    assert restored.n == 10 + rank
+    return "loaded"
+
+
+def _rank_save_and_load(rank: int, world: int, tmp: Path) -> tuple[int, int]:
+    """Two saves with agreed tokens: every rank draws the same id, new each save."""
+    from gradshare.integrations import load_rank_state, new_token, save_rank_state
+
+    first, second = new_token(5), new_token(10)
+    assert first.id != second.id and (first.step, second.step) == (5, 10)
+    path = save_rank_state(_Counter(rank), tmp / f"r{rank}.pt", token=second)
+    restored = _Counter(-1)
+    load_rank_state(restored, path, token=second)
+    return second.id, restored.n
+
+
+class TestSaveTokens:
+    """Every save's token, in each rank's file and in the framework checkpoint: a rank file
+    left from another save (a rank killed while a checkpoint was written) was accepted, and
+    the fit resumed, exit 0, to other parameters."""
+
+    def test_tokens_are_agreed_and_round_trip(self, tmp_path: Path) -> None:
+        results = [r.get() for r in spawn(_rank_save_and_load, WORLD, tmp_path)]
+        ids, restored = zip(*results, strict=True)
+        assert len(set(ids)) == 1 and list(restored) == list(range(WORLD))
+
+    def test_a_stale_rank_file_is_refused_on_every_rank(self, tmp_path: Path) -> None:
+        """Rank 1's file is left from the save of step 5; the checkpoint is of step 10."""
+        new, old = {"id": 7, "step": 10}, {"id": 3, "step": 5}
+        out = [r.get() for r in spawn(_rank_load, WORLD, tmp_path, [new, old], new)]
+        assert out[1].startswith(f"{tmp_path / 'r1.pt'} is from another save"), out[1]
+        assert "the file is of step 5, the checkpoint of step 10" in out[1]
+        assert "Rank(s) [1] could not load" in out[0], out[0]
+
+    def test_ranks_with_files_of_different_saves_refuse_alike(self, tmp_path: Path) -> None:
+        """No token from the framework: the ranks' own files still must agree."""
+        new, old = {"id": 7, "step": 10}, {"id": 3, "step": 5}
+        for r in spawn(_rank_load, WORLD, tmp_path, [new, old], None):
+            assert "different saves (rank 0's of step 10, rank 1's of step 5" in r.get()
+
+    def test_a_damaged_file_is_named(self, tmp_path: Path) -> None:
+        """torch's raw zip error came without the file's name."""
+        from gradshare.integrations import load_rank_state
+
+        path = tmp_path / "r.pt"
+        path.write_bytes(b"PK\x03\x04 cut short")
+        with pytest.raises(ValueError, match=f"Cannot read gradshare's rank file {path}"):
+            load_rank_state(_Counter(), path)
 
 
 def _python(code: str) -> subprocess.CompletedProcess[str]:

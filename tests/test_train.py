@@ -81,10 +81,13 @@ class TestTrain:
             tmp_path / "b" / "metrics.csv"
         ).read_text()
 
-    def test_distributed_mode(self, tmp_path: Path) -> None:
+    def test_distributed_mode(self, tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+        """Every rank printed torch's "Converting a tensor with requires_grad=True to a
+        scalar" warning: the loss was recorded with ``float(loss)``."""
         argv = ["train", "--mode", "distributed", "--workers", "2", "--epochs", "2",
                 "--local-steps", "0"]  # fmt: skip
         assert main([*argv, "--out", str(tmp_path), *QUIET]) == 0
+        assert "requires_grad" not in capfd.readouterr().err
         runs = _summary(tmp_path)["runs"]
         assert runs["gradshare"]["bytes_sent"] < runs["dense"]["bytes_sent"] / 5
         assert runs["gradshare"]["accuracy"] > 0.5
@@ -125,17 +128,25 @@ def test_command_line_is_built_from_train_config() -> None:
         (["--local-steps", "-1"], "--local-steps"),
         (["--density", "0.1"], "--density"),
         (["--density", "0"], "--density"),
+        (["--threshold", "fixed:1e-46"], "not a finite float32"),  # 0 in float32
+        (["--threshold", "fixed:1e39"], "not a finite float32"),  # inf in float32
+        (["--threshold", "adaptive:1e39"], "not a finite float32"),
+        (["--seed", "18446744073709551616"], "--seed"),
+        (["--seed", "-1"], "--seed"),
+        (["--lr", "1e30", "--workers", "1", "--epochs", "1"], "the dense run diverged"),
         (["--out", "/etc/hostname/run"], "cannot write to --out"),
     ],
 )
 def test_bad_option_exits_2_with_one_line(
-    argv: list[str], says: str, capsys: pytest.CaptureFixture[str]
+    argv: list[str], says: str, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
+    out = [] if "--out" in argv else ["--out", str(tmp_path)]
     with pytest.raises(SystemExit) as exit_info:
-        raise SystemExit(main(["train", *argv, *QUIET]))
+        raise SystemExit(main(["train", *argv, *out, *QUIET]))
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and says in err and "Traceback" not in err, err
+    assert not any(tmp_path.iterdir())  # nothing written
 
 
 def test_distributed_results_load_weights_only(

@@ -54,14 +54,22 @@ def parse_clip(spec: str | None) -> ResidualPostProcessor | None:
         raise UsageError(f"bad --clip: {e}") from None
 
 
+MAX_STD = 1e37
+"""The largest ``inspect --std``: normal samples reach ~6 std within a million draws, and
+float32 ends at 3.4e38, so the updates and the residual they build stay finite."""
+
+
 def inspect(args: argparse.Namespace) -> None:
     """Encode a stream of normal(0, std) updates and print what each step sends."""
     if args.numel < 1 or args.steps < 1:
         raise UsageError(f"--numel and --steps must be >= 1, got {args.numel} and {args.steps}")
-    if not (math.isfinite(args.std) and args.std > 0):
+    if not (math.isfinite(args.std) and 0 < args.std <= MAX_STD):
         raise UsageError(
-            f"--std must be finite and > 0, got {args.std!r}: it scales every synthetic update"
+            f"--std must be > 0 and at most {MAX_STD:.1e}, got {args.std!r}: it scales every "
+            "synthetic float32 update, whose values must stay finite"
         )
+    if not 0 <= args.seed <= train.MAX_SEED:
+        raise UsageError(f"--seed must be an integer from 0 to 2**63 - 1, got {args.seed}")
     torch.manual_seed(args.seed)
     enc = Encoder(parse_threshold(args.threshold), parse_clip(args.clip))
     print(
@@ -107,7 +115,10 @@ def train_command(args: argparse.Namespace) -> None:
         f"({config.mode}), {config.optimizer} lr {config.lr}, {config.epochs} epochs, "
         f"batch {config.batch_size}, threshold {config.threshold}, clip {config.clip}"
     )
-    results = list(train.run(config, progress=not args.no_progress))
+    try:
+        results = list(train.run(config, progress=not args.no_progress))
+    except train.Diverged as e:
+        raise UsageError(str(e)) from None
     from gradshare.app import report
 
     print()

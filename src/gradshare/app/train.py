@@ -27,6 +27,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from gradshare.app.datasets import Split, digits, minibatches, mlp
+from gradshare.codec import NonFiniteUpdate, float32_threshold
 from gradshare.encoding.residual import ResidualClipping, ResidualPostProcessor
 from gradshare.encoding.threshold import (
     AdaptiveThreshold,
@@ -35,7 +36,15 @@ from gradshare.encoding.threshold import (
     ThresholdAlgorithm,
 )
 
-__all__ = ["RunResult", "TrainConfig", "parse_clip", "parse_threshold", "run", "run_one"]
+__all__ = [
+    "Diverged",
+    "RunResult",
+    "TrainConfig",
+    "parse_clip",
+    "parse_threshold",
+    "run",
+    "run_one",
+]
 
 OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
     "sgd": lambda params, lr: torch.optim.SGD(params, lr=lr),
@@ -61,6 +70,13 @@ def parse_threshold(spec: str) -> ThresholdAlgorithm:
         raise ValueError(f"threshold value {value!r} in {spec!r} is not a number") from None
     if kind == "target":
         return TargetDensityThreshold(initial=1e-3, target=t)
+    try:
+        float32_threshold(t)  # the wire stores it as float32: 1e-46 or 1e39 would not survive
+    except ValueError:
+        raise ValueError(
+            f"threshold {value} in {spec!r} is not a finite float32 > 0 (about 1.2e-38 to "
+            "3.4e38): every message stores it as float32"
+        ) from None
     return AdaptiveThreshold(t) if kind == "adaptive" else FixedThreshold(t)
 
 
@@ -74,6 +90,15 @@ def parse_clip(spec: str | None) -> ResidualPostProcessor | None:
     except ValueError as e:
         raise ValueError(f"{spec!r} is not MULTIPLE:FREQUENCY (e.g. 5:5): {e}") from None
 
+
+class Diverged(ValueError):
+    """A run's updates became inf or NaN (the learning rate is too large, say): reported by
+    the CLI in one line."""
+
+
+MAX_SEED = 2**63 - 1
+"""The largest ``--seed``: torch's generators take 64-bit seeds, and epoch e shuffles with
+seed + e."""
 
 Mode = Literal["parallel", "distributed"]
 OptimizerName = Literal["sgd", "momentum", "adam"]
@@ -130,6 +155,9 @@ class TrainConfig:
                 raise ValueError(
                     f"--{name.replace('_', '-')} must be an integer >= 1, got {value!r}"
                 )
+        seed = self.seed
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
+            raise ValueError(f"--seed must be an integer from 0 to 2**63 - 1, got {seed!r}")
         if self.mode not in get_args(Mode):
             raise ValueError(f"--mode must be parallel or distributed, got {self.mode!r}")
         if self.optimizer not in OPTIMIZERS:
@@ -278,7 +306,6 @@ def _free_port() -> int:
 
 
 def _rank_main(rank: int, config: TrainConfig, name: str, port: int, tmp: str) -> None:
-
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     world = config.workers
@@ -290,7 +317,7 @@ def _rank_main(rank: int, config: TrainConfig, name: str, port: int, tmp: str) -
     if name == LOCAL:
         result = _train_local(config, model, split, rank, world, device)
     else:
-        result = _train_shared(config, name, model, split, rank, world, device)
+        result = _train_shared(config, name, model, split, rank, world, device, tmp)
     torch.save(asdict(result), Path(tmp) / f"rank{rank}.pt")
     dist.destroy_process_group()
 
@@ -302,8 +329,10 @@ def _rank_batches(config: TrainConfig, split: Split, epoch: int, rank: int, worl
 
 def _train_shared(
     config: TrainConfig, name: str, model: nn.Module, split: Split, rank: int, world: int,
-    device: torch.device,
+    device: torch.device, tmp: str,
 ) -> RunResult:  # fmt: skip
+    """Every step shared (SharedOptimizer); a diverged update is written to ``tmp`` for the
+    parent to report in one line."""
     from gradshare.distributed.shared_optimizer import SharedOptimizer
 
     opt = SharedOptimizer(
@@ -320,8 +349,12 @@ def _train_shared(
             opt.zero_grad()
             loss = F.cross_entropy(model(x.to(device)), y.to(device))
             loss.backward()
-            opt.step()
-            result.rows.append(_row(name, epoch, step, rank, float(loss), opt.last_stats, numel))
+            try:
+                opt.step()
+            except NonFiniteUpdate as e:  # the parent reports it; the other ranks stop too
+                (Path(tmp) / f"diverged-rank{rank}.txt").write_text(_diverged(name, epoch, e))
+                raise
+            result.rows.append(_row(name, epoch, step, rank, loss.item(), opt.last_stats, numel))
             step += 1
         result.epochs.append({"epoch": epoch, **_evaluate(model, split, device)})
     return result
@@ -379,6 +412,11 @@ def _local_row(
     }
 
 
+def _diverged(name: str, epoch: int | None, error: Exception) -> str:
+    where = "" if epoch is None else f" in epoch {epoch}"
+    return f"the {name} run diverged{where}: {error}"
+
+
 def _stop(processes: list[Any], grace: float = 5.0) -> None:
     """Terminate the ranks still running, and kill those that do not stop within ``grace``."""
     for p in processes:
@@ -405,6 +443,9 @@ def _run_distributed(config: TrainConfig, name: str, split: Split, bar: Any) -> 
                 pass
         except BaseException:  # Ctrl-C (or a failed rank): stop every rank, then raise
             _stop(context.processes)
+            diverged = sorted(Path(tmp).glob("diverged-rank*.txt"))
+            if diverged:
+                raise Diverged(diverged[0].read_text()) from None
             raise
         # each rank saved plain dicts, lists, strings and numbers: nothing else may load
         parts = [
@@ -451,6 +492,8 @@ def run_one(config: TrainConfig, name: str, progress: bool = True) -> RunResult:
     try:
         runner = _run_distributed if processes else _run_parallel
         result = runner(config, name, split, bar)
+    except NonFiniteUpdate as e:
+        raise Diverged(_diverged(name, None, e)) from None
     finally:
         if bar is not None:
             bar.close()

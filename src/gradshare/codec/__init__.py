@@ -38,6 +38,9 @@ from gradshare.codec.messages import (
     use_kernels,
 )
 from gradshare.codec.messages import (
+    NonFiniteUpdate as NonFiniteUpdate,
+)
+from gradshare.codec.messages import (
     Workspace as Workspace,
 )
 from gradshare.codec.messages import (
@@ -88,4 +91,5 @@ __all__ = [
     "use_kernels",
 ]
 # Also here, for gradshare's own modules (not public API): Workspace, serial_kernels, the
-# check_* helpers, float32_threshold, shares_memory, find_nonfinite, nonfinite_error.
+# check_* helpers, float32_threshold, shares_memory, find_nonfinite, nonfinite_error and its
+# NonFiniteUpdate.

@@ -92,7 +92,7 @@ __all__ = [
 ]
 
 # Also here, for gradshare's own modules (not public API): Workspace, serial_kernels, the check_*
-# helpers, float32_threshold, shares_memory, find_nonfinite, nonfinite_error.
+# helpers, float32_threshold, shares_memory, find_nonfinite, nonfinite_error, NonFiniteUpdate.
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -231,9 +231,14 @@ def _first_nonfinite(x: torch.Tensor, bad: int) -> tuple[int, int]:
     return bad, int(torch.nonzero(~torch.isfinite(x))[0, 0])
 
 
-def nonfinite_error(x: torch.Tensor, bad: int, first: int, consequence: str) -> ValueError:
+class NonFiniteUpdate(ValueError):
+    """An update with inf or NaN in it: training diverged (or the loss did). A ValueError, so
+    that callers catching that keep working; the CLI tells it apart to report a divergence."""
+
+
+def nonfinite_error(x: torch.Tensor, bad: int, first: int, consequence: str) -> NonFiniteUpdate:
     """The error for an update ``x`` with ``bad`` non-finite values, the first at ``first``."""
-    return ValueError(
+    return NonFiniteUpdate(
         f"`update` has {bad} non-finite value(s), the first at flat index {first} "
         f"({float(x[first])}): {consequence}. Check the loss or lower the learning rate."
     )

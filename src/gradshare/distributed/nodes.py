@@ -53,9 +53,10 @@ def node_layout(
 
     ``True`` takes the ranks per node from ``LOCAL_WORLD_SIZE`` (torchrun sets it), an int
     gives them. A collective over ``private`` (a twin of ``group``): every rank shows its
-    node size and ``LOCAL_RANK``, so that every rank refuses alike (a rank that refused
-    alone would leave the others waiting) when the sizes differ, do not divide the world,
-    or ``LOCAL_RANK`` shows that the ranks of a node are not consecutive.
+    node size, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE``, so that every rank refuses alike (a
+    rank that refused alone would leave the others waiting) when the sizes differ, do not
+    divide the world, a given size disagrees with ``LOCAL_WORLD_SIZE``, or ``LOCAL_RANK``
+    shows that the ranks of a node are not consecutive.
     """
     if hierarchical is False:
         return None
@@ -67,7 +68,10 @@ def node_layout(
     raw = os.environ.get("LOCAL_WORLD_SIZE", "")
     size = hierarchical if hierarchical is not True else (int(raw) if raw.isdigit() else 0)
     local = os.environ.get("LOCAL_RANK", "")
-    mine = torch.tensor([size, int(local) if local.isdigit() else -1], dtype=torch.int64)
+    mine = torch.tensor(
+        [size, int(local) if local.isdigit() else -1, int(raw) if raw.isdigit() else -1],
+        dtype=torch.int64,
+    )
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     table = [torch.empty_like(mine) for _ in range(world)]
     collective(dist.all_gather, table, mine, group=private, timeout=timeout,
@@ -85,6 +89,14 @@ def node_layout(
         raise ValueError(
             f"Expect the world to be a whole number of equal nodes: {world} ranks do not split "
             f"into nodes of {size} (`hierarchical={hierarchical!r}`)."
+        )
+    launched = [int(t[2]) for t in table]
+    if hierarchical is not True and any(n >= 0 and n != size for n in launched):
+        r = next(r for r, n in enumerate(launched) if n >= 0 and n != size)
+        raise ValueError(
+            f"`hierarchical={hierarchical!r}` disagrees with LOCAL_WORLD_SIZE={launched[r]} "
+            f"(rank {r}): the launcher put {launched[r]} ranks on a machine; pass "
+            f"`hierarchical=True` (or {launched[r]}), or launch {size} ranks per machine."
         )
     locals_ = [int(t[1]) for t in table]
     wrong = [r for r, lr in enumerate(locals_) if lr >= 0 and lr != r % size]

@@ -13,8 +13,10 @@ own file beside the framework's checkpoint and reads it back on resume:
   ``state = register_threshold_hook(model)`` and ``register_rank_checkpointing(accelerator,
   state)``; ``save_state(dir)`` then also writes ``dir/gradshare-rank{r}.pt``.
 
-Each file records the rank and world size that wrote it; loading refuses another rank's file
-or another world size's. Files are read with ``torch.load(weights_only=True)``.
+Each file records the rank and world size that wrote it, and the save's token (a random id
+agreed by the ranks, and the step), which rank 0 also writes into the framework's checkpoint;
+loading refuses another rank's file, another world size's, or one of another save (a save cut
+short), on every rank alike. Files are read with ``torch.load(weights_only=True)``.
 
 Why accelerate has the hook only: ``save_state`` writes the optimizer's ``state_dict()`` from
 the main process and ``load_state`` loads that one file into every rank's optimizer, with no
@@ -40,9 +42,11 @@ from typing import TYPE_CHECKING, Any
 
 from gradshare.integrations.accelerate import register_rank_checkpointing
 from gradshare.integrations.rank_files import (
+    SaveToken,
     accelerate_rank_file,
     lightning_rank_file,
     load_rank_state,
+    new_token,
     save_rank_state,
 )
 
@@ -57,7 +61,9 @@ __all__ = [
     "accelerate_rank_file",
     "register_rank_checkpointing",
     # the per-rank files
+    "SaveToken",
     "load_rank_state",
+    "new_token",
     "save_rank_state",
 ]
 

@@ -10,12 +10,22 @@ from typing import Any, Literal
 from lightning.pytorch.strategies import DDPStrategy
 from torch.nn.parallel import DistributedDataParallel
 
+from gradshare._checks import to_seconds
 from gradshare.distributed.ddp_hook import ThresholdHookState, register_threshold_hook
 from gradshare.distributed.shared_optimizer import SharedOptimizer
 from gradshare.encoding.options import FIELDS, EncodingOptions, encoding_options
-from gradshare.integrations.rank_files import lightning_rank_file, load_rank_state, save_rank_state
+from gradshare.integrations.rank_files import (
+    SaveToken,
+    lightning_rank_file,
+    load_rank_state,
+    new_token,
+    save_rank_state,
+)
 
 __all__ = ["GradshareDDPStrategy"]
+
+_TOKEN_KEY = "gradshare"
+"""Where rank 0 writes the save's :class:`SaveToken` in Lightning's checkpoint dict."""
 
 
 class GradshareDDPStrategy(DDPStrategy):
@@ -39,6 +49,13 @@ class GradshareDDPStrategy(DDPStrategy):
     ``trainer.fit(model, ckpt_path=...)`` loads each rank's file back, so a resumed fit
     continues bit for bit. Removing a checkpoint removes them too.
 
+    Each save draws a token (a random id agreed by the ranks, and the global step): every
+    rank writes it into its file, then rank 0 into the checkpoint (key ``"gradshare"``). A
+    rank file left from another save (a rank killed while the checkpoint was written) is
+    refused on resume, by name and with both steps, on every rank alike and before anything
+    is restored. A checkpoint saved without gradshare (plain ``"ddp"``) has no rank files and
+    is refused too, unless ``resume_without_rank_files=True``.
+
     Args:
         share: ``"gradients"`` (the hook) or ``"updates"`` (SharedOptimizer).
         start_iter, momentum: the hook's (:class:`~gradshare.ThresholdHookState`).
@@ -47,8 +64,14 @@ class GradshareDDPStrategy(DDPStrategy):
             ``magnitude``, ``dense``, ``reduction``), except ``timeout``, which is
             DDPStrategy's own: gradshare's is ``gradshare_timeout``.
         gradshare_timeout: how long gradshare's collectives wait for the other ranks (default
-            :data:`gradshare._checks.DEFAULT_TIMEOUT`; DDPStrategy's own ``timeout`` is
-            the process group's).
+            :data:`gradshare._checks.DEFAULT_TIMEOUT`). It is also the process group's
+            ``timeout`` unless that is given: Lightning broadcasts on the default group every
+            step, so with torch's 30-minute default a hung rank would hold the others that long.
+        resume_without_rank_files: resume from a checkpoint without reading the rank files:
+            residuals and threshold states start empty (as on a fresh fit), the model and the
+            optimizer come from the checkpoint (with ``share="updates"``, into the wrapped
+            optimizer). For a checkpoint saved by plain ``"ddp"``; off by default, when a
+            missing rank file is an error.
         **kwargs: :class:`lightning.pytorch.strategies.DDPStrategy`'s (``process_group_backend``,
             ``start_method``, ``timeout``, DDP's own keywords, ...), except ``ddp_comm_hook``.
 
@@ -65,6 +88,7 @@ class GradshareDDPStrategy(DDPStrategy):
         start_iter: int = 1,
         momentum: float = 0.0,
         gradshare_timeout: float | timedelta | None = None,
+        resume_without_rank_files: bool = False,
         options: EncodingOptions | None = None,
         **kwargs: Any,
     ) -> None:
@@ -79,14 +103,18 @@ class GradshareDDPStrategy(DDPStrategy):
                 "GradshareDDPStrategy registers gradshare's hook itself: leave out "
                 "`ddp_comm_hook` / `ddp_comm_state` (or use DDPStrategy for another hook)."
             )
+        if kwargs.get("timeout") is None:
+            kwargs["timeout"] = timedelta(seconds=to_seconds(gradshare_timeout))
         super().__init__(**kwargs)
         self.share = share
+        self.resume_without_rank_files = resume_without_rank_files
         self._hook_settings: dict[str, Any] = {"start_iter": start_iter, "momentum": momentum}
         self.hook_state: ThresholdHookState | None = None
-        self._restore_from: Path | None = None
-        """The checkpoint of ``trainer.fit(ckpt_path=...)``, until its rank file is read."""
         self._saved: dict[str, Any] | None = None
-        """This rank's file of that checkpoint, until the optimizers are restored."""
+        """This rank's file of the checkpoint of ``trainer.fit(ckpt_path=...)``, read and
+        agreed on by every rank when it is loaded, until the optimizers are restored."""
+        self._without_files = False
+        """The checkpoint being restored was loaded with ``resume_without_rank_files``."""
 
     # ------------------------------------------------------------------ set-up
 
@@ -97,12 +125,8 @@ class GradshareDDPStrategy(DDPStrategy):
             self.hook_state = register_threshold_hook(
                 self.model, options=self.options, **self._hook_settings
             )
-        if self._restore_from is not None:
-            load_rank_state(_RankFile(self), self._rank_file(self._restore_from))
-            if self.hook_state is not None:
-                assert self._saved is not None
-                self.hook_state.load_state_dict(self._saved["hook"])
-            self._restore_from = None
+        if self._saved is not None and self.hook_state is not None:
+            self.hook_state.load_state_dict(self._saved["hook"])
 
     def setup_optimizers(self, trainer: Any) -> None:
         super().setup_optimizers(trainer)
@@ -128,27 +152,53 @@ class GradshareDDPStrategy(DDPStrategy):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
     ) -> None:
-        """Every rank writes its own state beside ``filepath``; rank 0 writes the checkpoint."""
+        """Every rank writes its own state beside ``filepath`` with this save's token; then
+        rank 0 writes the checkpoint, with the token."""
         if self.hook_state is not None or self._shared_optimizers():
-            save_rank_state(_RankFile(self), lightning_rank_file(filepath, self.global_rank))
+            token = new_token(checkpoint.get("global_step", -1), timeout=self.options.timeout)
+            path = lightning_rank_file(filepath, self.global_rank)
+            save_rank_state(_RankFile(self), path, token=token)
+            checkpoint[_TOKEN_KEY] = token.to_dict()
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> Any:
-        """Load the checkpoint; this rank's file is read when :meth:`configure_ddp` has built
-        what it restores (DDPStrategy restores checkpoints before its ``setup``)."""
+        """Load the checkpoint and this rank's file, every rank agreeing on it before anything
+        is restored; :meth:`configure_ddp` and :meth:`load_optimizer_state_dict` restore its
+        content once they have built what it restores (DDPStrategy restores checkpoints
+        before its ``setup``)."""
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        self._restore_from = Path(checkpoint_path)
+        self._saved = None
+        self._without_files = self.resume_without_rank_files
+        if self._without_files:
+            return checkpoint
+        path = Path(checkpoint_path)
+        token = SaveToken.from_dict(checkpoint.get(_TOKEN_KEY))
+        try:
+            load_rank_state(_RankFile(self), self._rank_file(path), token=token,
+                            source=str(path), timeout=self.options.timeout)  # fmt: skip
+        except FileNotFoundError as e:
+            if token is not None:
+                raise
+            raise FileNotFoundError(
+                f"{path} has no gradshare rank files (saved without gradshare, by plain "
+                '"ddp"?): pass GradshareDDPStrategy(resume_without_rank_files=True) to resume '
+                "it with empty residuals and fresh threshold states."
+            ) from e
         return checkpoint
 
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         """SharedOptimizers load this rank's own state (the checkpoint holds rank 0's)."""
         shared = self._shared_optimizers()
-        if not shared or self._saved is None:
-            super().load_optimizer_state_dict(checkpoint)
-        else:
+        if shared and self._saved is not None:
             for opt, state in zip(shared, self._saved["optimizers"], strict=True):
                 opt.load_state_dict(state)
+        elif shared and self._without_files:  # the wrapped optimizers' part of rank 0's
+            for opt, state in zip(shared, checkpoint["optimizer_states"], strict=True):
+                opt.optim.load_state_dict({k: v for k, v in state.items() if k != "gradshare"})
+        else:
+            super().load_optimizer_state_dict(checkpoint)
         self._saved = None
+        self._without_files = False
 
     def remove_checkpoint(self, filepath: Any) -> None:
         super().remove_checkpoint(filepath)
@@ -156,7 +206,8 @@ class GradshareDDPStrategy(DDPStrategy):
 
     def teardown(self) -> None:
         super().teardown()
-        self._restore_from = self._saved = None  # a later run starts from its own checkpoint
+        self._saved = None  # a later run starts from its own checkpoint
+        self._without_files = False
 
     def _shared_optimizers(self) -> list[SharedOptimizer]:
         return [opt for opt in self.optimizers if isinstance(opt, SharedOptimizer)]
