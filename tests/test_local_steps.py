@@ -395,3 +395,40 @@ def _rank_cuda(rank: int, world: int) -> torch.Tensor:
         inner.step()
     assert all(e.residual is not None and e.residual.device.type == "cpu" for e in sync.encoders)
     return flat(model).cpu()
+
+
+def _rank_failed_exchange(rank: int, world: int) -> bool:
+    """The exchange fails after this rank encoded (a peer lost mid-sync): every encoder is as
+    it was before the sync (residual after the decay and the encoded Δ, threshold state), and
+    the replica keeps its local move for the sync that follows."""
+    import gradshare.distributed.local_steps as module
+
+    model = toy_model()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    batches = toy_batches(6)
+    sync = LocalSteps(model, inner, sync_every=2, decay=0.9, timeout=10)
+    _train(model, inner, batches[:2])  # one sync: the residuals hold something
+    before = [e.state_dict() for e in sync.encoders]
+    exchange = module.exchange_messages
+
+    def lost(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise ExchangeError("a peer was lost")
+
+    module.exchange_messages = lost  # type: ignore[assignment]
+    try:
+        _train(model, inner, batches[2:4])
+    except ExchangeError:
+        pass
+    finally:
+        module.exchange_messages = exchange
+    after = [e.state_dict() for e in sync.encoders]
+    same = all(
+        torch.equal(a["residual"], b["residual"]) and a["algorithm"] == b["algorithm"]
+        and a["last"] == b["last"]
+        for a, b in zip(before, after, strict=True)
+    )  # fmt: skip
+    return same and sync.syncs == 1
+
+
+def test_a_failed_exchange_leaves_every_encoder_as_it_was() -> None:
+    assert spawn(_rank_failed_exchange, 1)[0].get()

@@ -33,7 +33,6 @@ from gradshare.distributed.exchange import (
     exchange_messages,
     largest_message,
     rank_names,
-    take_back,
 )
 from gradshare.encoding.encoder import Encoder
 from gradshare.encoding.options import EncodingOptions, encoding_options
@@ -407,6 +406,9 @@ class LocalSteps:
         sizes = [p.numel() for p in self.params]
         sent: list[tuple[torch.Tensor | None, float]] = []
         mine, failure = None, None
+        # what each encoder holds now: a sync that fails puts it back whole (the decay, the
+        # encoded Δ and the threshold state), since the replicas keep their moves for the next
+        before = [enc.state_dict() for enc in self.encoders]
         try:
             for enc, d in zip(self.encoders, self._pieces(), strict=True):
                 if enc.residual is not None and self.decay != 1.0:
@@ -435,10 +437,9 @@ class LocalSteps:
             for i, target in enumerate(self._pieces(self._mean)):
                 codec.decode_sum_([p[i] for p in pieces], target, divisor=self._divisor(),
                                   names=names, checked=True)  # fmt: skip
-        except BaseException:  # this rank's messages go back: nothing of them is lost
-            for enc, (message, _) in zip(self.encoders, sent, strict=False):
-                if message is not None:
-                    take_back(message, enc.residual)  # type: ignore[arg-type]
+        except BaseException:  # nothing of this sync stays: every encoder as it was
+            for enc, state in zip(self.encoders, before, strict=True):
+                enc.load_state_dict(state)
             raise
         self.bytes_sent += 0 if mine is None else 4 * mine.numel()
 
