@@ -292,8 +292,7 @@ class SharedOptimizer(torch.optim.Optimizer):
         failure: BaseException | None = None
         loss = None
         try:
-            with torch.enable_grad():
-                loss = self.optim.step(closure)
+            loss = self._local_step(closure)
             update = codec.take_update_(before, _flat_params(params, self._update), self._update)
             if self.encoder is not None and self.nodes is None:
                 message = self.encoder.encode(update, self.iteration, finite=True)
@@ -312,6 +311,27 @@ class SharedOptimizer(torch.optim.Optimizer):
             self._unflatten(before, params)
         self.iteration += 1
         return loss
+
+    _step_supports_amp_scaling = True
+    """``torch.amp.GradScaler`` calls :meth:`step` even when this rank's gradients overflowed
+    (telling it through ``found_inf`` and ``grad_scale``), instead of skipping it: the other
+    ranks' gradients are their own and did not overflow, so every rank must still take part in
+    the exchange. Only the local update is skipped (see :meth:`_local_step`)."""
+
+    def _local_step(self, closure: Callable[[], float] | None) -> float | None:
+        """The wrapped optimizer's step, or none when a GradScaler found inf/NaN gradients;
+        gradients the scaler left scaled are unscaled first, as its ``unscale_`` would."""
+        found_inf = getattr(self, "found_inf", None)
+        if found_inf is not None and bool(found_inf.item() > 0):
+            return None  # the update is zero; this rank still joins the exchange
+        grad_scale = getattr(self, "grad_scale", None)
+        if grad_scale is not None:
+            inv = grad_scale.double().reciprocal().float()
+            for p in self._params():
+                if p.grad is not None:
+                    p.grad.mul_(inv.to(p.grad.device))
+        with torch.enable_grad():
+            return self.optim.step(closure)
 
     def _share(
         self, message: torch.Tensor | None, before: torch.Tensor, failure: BaseException | None
