@@ -25,11 +25,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+if TYPE_CHECKING:  # the ranks import this module: not pytest too
+    import pytest
 
 
 @dataclass
@@ -215,3 +218,17 @@ def close_worlds() -> None:
     """End every live world (at exit; a test may call it to start from fresh ones)."""
     while _worlds:
         _worlds.popitem()[1].close()
+
+
+def selected(request: pytest.FixtureRequest, test: str) -> list[dict[str, Any]]:
+    """The parameters of every selected test named ``test`` in the requesting module ({} for
+    one not parametrized): what a module fixture that starts the tests' runs ahead needs."""
+    import pytest
+
+    return [
+        item.callspec.params if hasattr(item, "callspec") else {}
+        for item in request.session.items
+        if isinstance(item, pytest.Function)
+        and item.module is request.module
+        and item.originalname == test
+    ]
