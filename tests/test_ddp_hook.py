@@ -29,7 +29,7 @@ from gradshare.app.datasets import digits, minibatches, mlp
 from gradshare.codec import MessageError, decode_, multipart
 
 from toys import toy_batches
-from world import spawn
+from world import pooled, spawn
 
 
 def _rank_conservation(rank: int, world: int, steps: int) -> float:
@@ -130,11 +130,11 @@ def _rank_checkpoint(rank: int, world: int) -> bool:
 class TestThresholdHook:
     def test_conserves_against_plain_ddp(self) -> None:
         for world in (2, 3):
-            for r in spawn(_rank_conservation, world, 8):
+            for r in pooled(_rank_conservation, world, 8):
                 assert r.get() < 1e-5
 
     def test_digits_accuracy_within_1_5_points_of_plain_ddp(self) -> None:
-        results = [r.get() for r in spawn(_rank_digits, 2, 10)]
+        results = [r.get() for r in pooled(_rank_digits, 2, 10)]
         assert [r["hook"] for r in results] == [results[0]["hook"]] * 2  # replicas agree
         res = results[0]
         assert res["plain"] > 0.9
@@ -142,7 +142,7 @@ class TestThresholdHook:
         assert res["ratio"] > 10
 
     def test_per_rank_checkpoint_resumes_bit_for_bit(self) -> None:
-        assert all(r.get() for r in spawn(_rank_checkpoint, 2))
+        assert all(r.get() for r in pooled(_rank_checkpoint, 2))
 
 
 def _several_buckets() -> DDP:
@@ -197,7 +197,7 @@ class TestOverlap:
         """Bucket k is exchanged in the background while backward goes on: with its peer
         still asleep, none of rank 0's futures is complete when the hook returns, and the
         replicas still end bit-identical."""
-        zero, one = (r.get() for r in spawn(_rank_overlap, 2))
+        zero, one = (r.get() for r in pooled(_rank_overlap, 2))
         assert zero["buckets"] > 1
         assert zero["done"] and not any(zero["done"]), zero["done"]
         assert torch.equal(zero["params"], one["params"])
@@ -221,7 +221,7 @@ def _rank_other_rank_state(rank: int, world: int) -> str:
 
 
 def test_hook_state_of_another_rank_is_refused() -> None:
-    for r in spawn(_rank_other_rank_state, 2):
+    for r in pooled(_rank_other_rank_state, 2):
         assert "saved by rank" in r.get()
 
 
@@ -295,13 +295,13 @@ class TestPerParameterState:
         (here one bucket, then three): threshold state kept per bucket went to other
         parameters on resume and the runs parted. 20 steps straight equal 10 + checkpoint +
         10, bit for bit, with and without momentum correction."""
-        for r in spawn(_rank_resume_several_buckets, 2, 20):
+        for r in pooled(_rank_resume_several_buckets, 2, 20):
             assert r.get() == [True, True]
 
     def test_replicas_agree_with_several_buckets_and_momentum_0_is_the_default(self) -> None:
         """Also with momentum correction and with the mean magnitude in the headers."""
         for world in (2, 3):
-            results = [r.get() for r in spawn(_rank_replicas, world, 6)]
+            results = [r.get() for r in pooled(_rank_replicas, world, 6)]
             assert results[0]["buckets"] >= 3
             for name in ("default", "dgc", "mean"):
                 assert all(torch.equal(r[name], results[0][name]) for r in results), name
@@ -453,7 +453,7 @@ class TestMessagesAndMomentum:
     def test_every_rank_conserves_per_parameter(self) -> None:
         """Σ local gradients fed = Σ the rank's own decoded pieces + its residual, for every
         parameter of every bucket."""
-        for r in spawn(_rank_own_conservation, 2, 8):
+        for r in pooled(_rank_own_conservation, 2, 8):
             assert r.get() < 1e-5
 
     def test_bad_concatenation_fails_every_rank_naming_it_and_writes_nothing(self) -> None:
@@ -466,12 +466,12 @@ class TestMessagesAndMomentum:
     def test_parameters_of_different_scales_get_their_own_thresholds(self) -> None:
         """One threshold per parameter tensor: the large gradients' threshold rises, the
         tiny ones' falls, within one bucket."""
-        for r in spawn(_rank_two_scales, 2, 8):
+        for r in pooled(_rank_two_scales, 2, 8):
             big, small = r.get()
             assert big > 1e-3 > small, (big, small)
 
     def test_velocity_is_momentum_corrected_and_masked(self) -> None:
-        for r in spawn(_rank_velocity, 2, 6):
+        for r in pooled(_rank_velocity, 2, 6):
             assert r.get()
 
 

@@ -1,7 +1,8 @@
 """SharedOptimizer over torch.distributed: real gloo processes on 127.0.0.1 (docs/design.md §6).
 
-Each test spawns a world of processes (``tests/world.py``); the functions named ``_rank_*``
-run on every rank and return what the test asserts on.
+Each test runs on a world of processes (``tests/world.py``: a pooled one, or a fresh one where
+a rank fails, hangs or is killed); the functions named ``_rank_*`` run on every rank and
+return what the test asserts on.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from gradshare import (
 from gradshare.app.datasets import mlp
 
 from toys import flat, toy_batches
-from world import spawn
+from world import pooled, spawn
 
 
 def digest(model: nn.Module) -> str:
@@ -275,7 +276,7 @@ def _rank_checkpoint_schema(rank: int, world: int) -> dict:
 class TestSharedOptimizer:
     @pytest.mark.parametrize("world", [2, 3])
     def test_replicas_bit_identical_after_every_step(self, world: int) -> None:
-        results = [r.get() for r in spawn(_rank_train, world, 12)]
+        results = [r.get() for r in pooled(_rank_train, world, 12)]
         for r in results[1:]:
             assert r["hashes"] == results[0]["hashes"]
         assert len(set(results[0]["hashes"])) == 13  # it trained, every step
@@ -285,18 +286,18 @@ class TestSharedOptimizer:
 
     def test_mean_magnitude_keeps_replicas_bit_identical(self) -> None:
         """Messages that carry the mean magnitude: every rank decodes the same sum."""
-        results = [r.get() for r in spawn(_rank_train, 2, 12, "mean")]
+        results = [r.get() for r in pooled(_rank_train, 2, 12, "mean")]
         assert results[1]["hashes"] == results[0]["hashes"]
         assert len(set(results[0]["hashes"])) == 13
         values = [v for r in results for v in r["values"]]
         assert all(m >= t for t, m in values) and any(m > t for t, m in values)
-        plain = [r.get() for r in spawn(_rank_train, 2, 12)]
+        plain = [r.get() for r in pooled(_rank_train, 2, 12)]
         assert plain[0]["hashes"] != results[0]["hashes"]  # the option reached the encoder
 
     def test_same_parameters_as_parallel_wrapper(self) -> None:
         """The same data split through processes and through threads: bit-identical results."""
         batches = toy_batches(16)
-        results = [r.get() for r in spawn(_rank_equivalence, 2, batches)]
+        results = [r.get() for r in pooled(_rank_equivalence, 2, batches)]
         assert torch.equal(results[0], results[1])
         threads = torch.get_num_threads()
         torch.set_num_threads(1)  # as in the ranks, so the local steps compute alike
@@ -321,7 +322,7 @@ class TestWithDDP:
         its own gradient and the updates are shared (averaged, as DDP averaged gradients),
         exactly as without DDP with ``reduction="mean"`` (several buckets, bit for bit, on
         every rank)."""
-        results = [r.get() for r in spawn(_rank_ddp_equivalence, 2, toy_batches(12))]
+        results = [r.get() for r in pooled(_rank_ddp_equivalence, 2, toy_batches(12))]
         for r in results:
             assert torch.equal(r["ddp"], r["plain"])
             assert all(r["local"])  # gradients stayed local: nothing was all-reduced
@@ -329,7 +330,7 @@ class TestWithDDP:
         assert not torch.equal(results[0]["ddp"], flat(mlp(10, 3, hidden=16, seed=0)))
 
     def test_refuses_a_plain_module_and_missing_parameters(self) -> None:
-        for r in spawn(_rank_ddp_refusals, 2):
+        for r in pooled(_rank_ddp_refusals, 2):
             assert r.get() == ["TypeError", "ValueError"]
 
 
@@ -349,7 +350,7 @@ def _rank_ddp_refusals(rank: int, world: int) -> list[str]:
 def test_dense_mode_equals_sgd_on_the_union() -> None:
     """dense=True, reduction="mean", plain SGD: W ranks = one process on W batches a step."""
     batches = toy_batches(12)
-    results = [r.get() for r in spawn(_rank_dense, 3, batches)]
+    results = [r.get() for r in pooled(_rank_dense, 3, batches)]
     single = mlp(10, 3, hidden=16, seed=0)
     opt = torch.optim.SGD(single.parameters(), lr=0.1)
     for i in range(0, 12, 3):
@@ -365,14 +366,14 @@ def test_dense_mode_equals_sgd_on_the_union() -> None:
 class TestOptimizerConventions:
     def test_step_hooks_scheduler_and_grad_scaler(self) -> None:
         """`Optimizer.__init__` never ran, so registering a step hook raised AttributeError."""
-        results = [r.get() for r in spawn(_rank_conventions, 2)]
+        results = [r.get() for r in pooled(_rank_conventions, 2)]
         for r in results:
             assert r["calls"] == ["pre", "post"] * 3
             assert r["lr"] == pytest.approx(0.1 * 0.5**3) and r["iteration"] == 3
         assert torch.equal(results[0]["params"], results[1]["params"])
 
     def test_state_dict_keeps_torch_schema_and_loads_whole_or_not_at_all(self) -> None:
-        for r in (res.get() for res in spawn(_rank_checkpoint_schema, 2)):
+        for r in (res.get() for res in pooled(_rank_checkpoint_schema, 2)):
             assert r["keys"] == ["gradshare", "param_groups", "state"]
             assert r["ours"] == ["bytes_sent", "encoder", "format", "hierarchical", "iteration",
                                  "numel", "rank", "world_size"]  # fmt: skip

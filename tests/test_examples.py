@@ -7,13 +7,18 @@ import os
 import pickle
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 import torch
 
 from toys import Hostile
+from world import selected
 
 ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
@@ -39,31 +44,65 @@ def torchrun(script: str, *args: str | Path, restarts: int = 0) -> subprocess.Co
 STEPS = ["--epochs", "1", "--steps", "20", "--save-every", "5"]
 
 
+def _killed_and_resumed(tmp: Path) -> dict[str, Any]:
+    """A run killed at step 12, then the run resumed from its checkpoints."""
+    ckpt = tmp / "ckpt"
+    crashed = torchrun(
+        "torchrun_shared.py", *STEPS, "--checkpoint-dir", ckpt, "--crash-at-step", "12"
+    )
+    saved = sorted(d.name for d in ckpt.iterdir())
+    resumed = torchrun(
+        "torchrun_shared.py", *STEPS, "--checkpoint-dir", ckpt, "--out", tmp / "resumed.pt"
+    )
+    return {"crashed": crashed, "saved": saved, "resumed": resumed, "out": tmp / "resumed.pt"}
+
+
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> torch.Tensor:
+def launched(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, Future[Any]]]:
+    """The torchrun launches of the selected tests below, all started at once (each spends
+    seconds starting its agent and then its workers, so they overlap): the test waits for its
+    own and asserts on it."""
+    jobs: dict[str, Callable[[], Any]] = {}
+    if selected(request, "test_killed_run_resumes_to_the_uninterrupted_result") or selected(
+        request, "test_elastic_restart_resumes_to_the_uninterrupted_result"
+    ):
+        out = tmp_path_factory.mktemp("whole") / "whole.pt"
+        jobs["whole"] = partial(torchrun, "torchrun_shared.py", *STEPS, "--out", out)
+    if selected(request, "test_killed_run_resumes_to_the_uninterrupted_result"):
+        jobs["killed"] = partial(_killed_and_resumed, tmp_path_factory.mktemp("killed"))
+    if selected(request, "test_elastic_restart_resumes_to_the_uninterrupted_result"):
+        tmp = tmp_path_factory.mktemp("elastic")
+        jobs["elastic"] = partial(
+            torchrun, "torchrun_shared.py", *STEPS, "--checkpoint-dir", tmp / "ckpt",
+            "--crash-at-step", "12", "--out", tmp / "elastic.pt", restarts=1,
+        )  # fmt: skip
+    if selected(request, "test_ddp_hook_example_runs"):
+        jobs["ddp_hook"] = partial(torchrun, "ddp_hook.py", "--epochs", "1")
+    with ThreadPoolExecutor(max(1, len(jobs))) as pool:
+        yield {name: pool.submit(job) for name, job in jobs.items()}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(launched: dict[str, Future[Any]]) -> torch.Tensor:
     """The parameters after 20 uninterrupted steps."""
-    out = tmp_path_factory.mktemp("whole") / "whole.pt"
-    whole = torchrun("torchrun_shared.py", *STEPS, "--out", out)
+    whole = launched["whole"].result()
     assert whole.returncode == 0, whole.stderr[-3000:]
+    out = whole.args[whole.args.index("--out") + 1]
     return torch.load(out, weights_only=True)
 
 
 def test_killed_run_resumes_to_the_uninterrupted_result(
-    tmp_path: Path, uninterrupted: torch.Tensor
+    launched: dict[str, Future[Any]], uninterrupted: torch.Tensor
 ) -> None:
-    steps = STEPS
-    ckpt = tmp_path / "ckpt"
-    crashed = torchrun(
-        "torchrun_shared.py", *steps, "--checkpoint-dir", ckpt, "--crash-at-step", "12"
-    )
-    assert crashed.returncode != 0
-    assert sorted(d.name for d in ckpt.iterdir()) == ["step000005", "step000010"]
-    resumed = torchrun(
-        "torchrun_shared.py", *steps, "--checkpoint-dir", ckpt, "--out", tmp_path / "resumed.pt"
-    )
+    run = launched["killed"].result()
+    assert run["crashed"].returncode != 0
+    assert run["saved"] == ["step000005", "step000010"]
+    resumed = run["resumed"]
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from step 10" in resumed.stdout
-    assert torch.equal(torch.load(tmp_path / "resumed.pt", weights_only=True), uninterrupted)
+    assert torch.equal(torch.load(run["out"], weights_only=True), uninterrupted)
 
 
 def test_an_unreadable_newest_checkpoint_falls_back_to_the_one_before(
@@ -87,19 +126,17 @@ def test_an_unreadable_newest_checkpoint_falls_back_to_the_one_before(
 
 
 def test_elastic_restart_resumes_to_the_uninterrupted_result(
-    tmp_path: Path, uninterrupted: torch.Tensor
+    launched: dict[str, Future[Any]], uninterrupted: torch.Tensor
 ) -> None:
     """``torchrun --max-restarts=1``: the last rank dies at step 12 of the first attempt,
     torchrun stops the other and starts both again, and they resume from the step-10
     checkpoints to the uninterrupted run's parameters, bit for bit, in one launch."""
-    run = torchrun(
-        "torchrun_shared.py", *STEPS, "--checkpoint-dir", tmp_path / "ckpt",
-        "--crash-at-step", "12", "--out", tmp_path / "elastic.pt", restarts=1,
-    )  # fmt: skip
+    run = launched["elastic"].result()
     assert run.returncode == 0, run.stderr[-3000:]
     assert "resumed from step 10" in run.stdout
     assert "exitcode: 1" in run.stderr or "Restarting" in run.stderr, run.stderr[-3000:]
-    assert torch.equal(torch.load(tmp_path / "elastic.pt", weights_only=True), uninterrupted)
+    out = run.args[run.args.index("--out") + 1]
+    assert torch.equal(torch.load(out, weights_only=True), uninterrupted)
 
 
 def _example(script: str) -> ModuleType:
@@ -124,7 +161,7 @@ def test_checkpoints_load_weights_only(tmp_path: Path, monkeypatch: pytest.Monke
     assert not ran.exists()
 
 
-def test_ddp_hook_example_runs() -> None:
-    run = torchrun("ddp_hook.py", "--epochs", "1")
+def test_ddp_hook_example_runs(launched: dict[str, Future[Any]]) -> None:
+    run = launched["ddp_hook"].result()
     assert run.returncode == 0, run.stderr[-3000:]
     assert "test accuracy" in run.stdout and "x less" in run.stdout

@@ -21,7 +21,7 @@ from gradshare import AdaptiveThreshold, FixedThreshold, SharedOptimizer
 from gradshare.app.datasets import mlp
 
 from toys import flat, toy_batches
-from world import spawn
+from world import pooled, spawn
 
 T = 17 / 64
 """A threshold no dyadic sum of the exact test can tie with (a multiple of 1/64, odd)."""
@@ -189,7 +189,7 @@ def _refusal(rank: int, case: str) -> str:
 class TestHierarchical:
     def test_replicas_and_node_residuals_bit_identical(self) -> None:
         """Node sizes from LOCAL_WORLD_SIZE (``True``) and given (``2``), one after the other."""
-        by_rank = [r.get() for r in spawn(_rank_train_modes, 4, [True, 2], 8)]
+        by_rank = [r.get() for r in pooled(_rank_train_modes, 4, [True, 2], 8)]
         for results in zip(*by_rank, strict=True):
             self._check_train(list(results))
 
@@ -211,7 +211,7 @@ class TestHierarchical:
         bitmaps (dense updates) and sparse messages."""
         cases = [(64, False, "sum"), (4096, True, "sum"), (64, False, "mean")]
         formats = ["bitmap", "sparse", "bitmap"]
-        for r in spawn(_rank_exact_cases, 4, cases):
+        for r in pooled(_rank_exact_cases, 4, cases):
             for out, fmt in zip(r.get(), formats, strict=True):
                 assert out["params"] and out["residual"] and out["conserved"], out
                 assert out["moved"] > 0 and out["format"] == fmt
@@ -237,6 +237,6 @@ class TestHierarchical:
     )  # fmt: skip
     def test_refusals(self, world: int, cases: list[str], says: list[str]) -> None:
         """Every rank refuses alike (none is left waiting for the others)."""
-        for r in spawn(_rank_refusals, world, cases):
+        for r in pooled(_rank_refusals, world, cases):
             for got, want in zip(r.get(), says, strict=True):
                 assert want in got, got

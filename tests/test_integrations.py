@@ -3,9 +3,13 @@ where a plain-DDP run with the same hook and the same batches ends."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +18,7 @@ import torch
 
 from gradshare.integrations import accelerate_rank_file, lightning_rank_file
 
-from world import spawn
+from world import selected, spawn
 
 ROOT = Path(__file__).resolve().parents[1]
 WORLD = 2
@@ -99,6 +103,67 @@ def plain_ddp(*args: Any) -> torch.Tensor:
     return results[0]
 
 
+def _lightning_fit(tmp: Path, share: str) -> dict[str, Any]:
+    """A fit straight through (checkpointed at each epoch's end), the fit resumed from the
+    first checkpoint in new processes, and plain DDP, which runs meanwhile."""
+    ckpt = tmp / "ckpt"
+    epochs = ["--share", share, "--steps-per-epoch", "3"]
+    with ThreadPoolExecutor(1) as meanwhile:
+        oracle = meanwhile.submit(plain_ddp, "lightning", 2, 3, share)
+        straight = run_example(
+            "lightning_ddp.py", *epochs, "--epochs", "2", "--checkpoint-dir", ckpt,
+            "--out", tmp / "straight.pt",
+        )  # fmt: skip
+        first = ckpt / "step=3.ckpt"
+        if first.exists():
+            link = ckpt / "last.ckpt"  # as ModelCheckpoint(save_last="link") makes it
+            link.symlink_to(first.name)
+            run_example(
+                "lightning_ddp.py", *epochs, "--epochs", "2", "--resume", link,
+                "--out", tmp / "resumed.pt",
+            )  # fmt: skip
+        return {"straight": straight, "ckpt": ckpt, "tmp": tmp, "oracle": oracle.result()}
+
+
+def _accelerate_run(tmp: Path) -> dict[str, Any]:
+    """A run straight through (saving its state at step 25), the run resumed from that state
+    in new processes, and plain DDP, which runs meanwhile."""
+    ckpt = tmp / "ckpt"
+    steps = ["--steps", "26"]  # 21 batches per rank per epoch: saved 4 into the second
+    with ThreadPoolExecutor(1) as meanwhile:
+        oracle = meanwhile.submit(plain_ddp, "accelerate", 1, 26)
+        straight = run_example(
+            "accelerate_ddp.py", *steps, "--save-at", "25", "--checkpoint-dir", ckpt,
+            "--out", tmp / "straight.pt",
+        )  # fmt: skip
+        resumed = run_example(
+            "accelerate_ddp.py", *steps, "--resume", ckpt, "--out", tmp / "resumed.pt"
+        )
+        return {"straight": straight, "resumed": resumed, "ckpt": ckpt, "tmp": tmp,
+                "oracle": oracle.result()}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def runs(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, Future[dict[str, Any]]]]:
+    """The example runs of every selected test below, started at once: each launch spends
+    most of its time starting processes (Lightning's launcher starts the second rank only
+    once the first has imported everything), so they overlap well. A test waits for its own
+    runs; any failure of theirs is raised there."""
+    jobs: dict[str, Callable[[], dict[str, Any]]] = {}
+    if importlib.util.find_spec("lightning") is not None:
+        for params in selected(request, "test_resumed_fit_matches_the_straight_fit_and_plain_ddp"):
+            share = params["share"]
+            jobs[share] = partial(_lightning_fit, tmp_path_factory.mktemp(share), share)
+    if importlib.util.find_spec("accelerate") is not None and selected(
+        request, "test_resumed_run_matches_the_straight_run_and_plain_ddp"
+    ):
+        jobs["accelerate"] = partial(_accelerate_run, tmp_path_factory.mktemp("accelerate"))
+    with ThreadPoolExecutor(max(1, len(jobs))) as pool:
+        yield {name: pool.submit(job) for name, job in jobs.items()}
+
+
 class TestLightning:
     """``GradshareDDPStrategy``, sharing gradients (the hook) or updates (SharedOptimizer): a
     fit resumed from a checkpoint in new processes ends at the parameters of the fit that ran
@@ -106,29 +171,19 @@ class TestLightning:
 
     @pytest.mark.parametrize("share", ["gradients", "updates"])
     def test_resumed_fit_matches_the_straight_fit_and_plain_ddp(
-        self, tmp_path: Path, share: str
+        self, runs: dict[str, Future[dict[str, Any]]], share: str
     ) -> None:
         pytest.importorskip("lightning", reason=f"needs Lightning: {INSTALL}")
-        ckpt = tmp_path / "ckpt"
-        epochs = ["--share", share, "--steps-per-epoch", "3"]
-        straight = run_example(
-            "lightning_ddp.py", *epochs, "--epochs", "2", "--checkpoint-dir", ckpt,
-            "--out", tmp_path / "straight.pt",
-        )  # fmt: skip
-        assert "x less" in straight.stdout
+        run = runs[share].result()
+        assert "x less" in run["straight"].stdout
+        ckpt = run["ckpt"]
         first = ckpt / "step=3.ckpt"
         assert first.exists(), sorted(p.name for p in ckpt.iterdir())
         assert_rank_files([lightning_rank_file(first, r) for r in range(WORLD)])
-        link = ckpt / "last.ckpt"  # as ModelCheckpoint(save_last="link") makes it
-        link.symlink_to(first.name)
-        run_example(
-            "lightning_ddp.py", *epochs, "--epochs", "2", "--resume", link,
-            "--out", tmp_path / "resumed.pt",
-        )  # fmt: skip
-        whole = torch.load(tmp_path / "straight.pt", weights_only=True)
-        resumed = torch.load(tmp_path / "resumed.pt", weights_only=True)
+        whole = torch.load(run["tmp"] / "straight.pt", weights_only=True)
+        resumed = torch.load(run["tmp"] / "resumed.pt", weights_only=True)
         assert torch.equal(whole, resumed)
-        assert torch.equal(whole, plain_ddp("lightning", 2, 3, share))
+        assert torch.equal(whole, run["oracle"])
 
     def test_stale_and_plain_checkpoints(self, tmp_path: Path) -> None:
         """A rank file left from the save before was accepted (exit 0, other parameters); a
@@ -187,24 +242,18 @@ class TestAccelerate:
     """``register_rank_checkpointing``: ``save_state`` mid-epoch, ``load_state`` in new
     processes, and the run ends at the parameters of the straight run and of plain DDP."""
 
-    def test_resumed_run_matches_the_straight_run_and_plain_ddp(self, tmp_path: Path) -> None:
+    def test_resumed_run_matches_the_straight_run_and_plain_ddp(
+        self, runs: dict[str, Future[dict[str, Any]]]
+    ) -> None:
         pytest.importorskip("accelerate", reason=f"needs accelerate: {INSTALL}")
-        ckpt = tmp_path / "ckpt"
-        steps = ["--steps", "26"]  # 21 batches per rank per epoch: saved 4 into the second
-        straight = run_example(
-            "accelerate_ddp.py", *steps, "--save-at", "25", "--checkpoint-dir", ckpt,
-            "--out", tmp_path / "straight.pt",
-        )  # fmt: skip
-        assert "x less" in straight.stdout
-        assert_rank_files([accelerate_rank_file(ckpt, r) for r in range(WORLD)])
-        resumed_run = run_example(
-            "accelerate_ddp.py", *steps, "--resume", ckpt, "--out", tmp_path / "resumed.pt"
-        )
-        assert "resumed from step 25" in resumed_run.stdout
-        whole = torch.load(tmp_path / "straight.pt", weights_only=True)
-        resumed = torch.load(tmp_path / "resumed.pt", weights_only=True)
+        run = runs["accelerate"].result()
+        assert "x less" in run["straight"].stdout
+        assert_rank_files([accelerate_rank_file(run["ckpt"], r) for r in range(WORLD)])
+        assert "resumed from step 25" in run["resumed"].stdout
+        whole = torch.load(run["tmp"] / "straight.pt", weights_only=True)
+        resumed = torch.load(run["tmp"] / "resumed.pt", weights_only=True)
         assert torch.equal(whole, resumed)
-        assert torch.equal(whole, plain_ddp("accelerate", 1, 26))
+        assert torch.equal(whole, run["oracle"])
 
         make_stale(accelerate_rank_file(ckpt, 1))  # rank 1 stopped in a later save_state
         stale = run_example("accelerate_ddp.py", *steps, "--resume", ckpt, fails=True)

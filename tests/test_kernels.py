@@ -11,7 +11,6 @@ import os
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import pytest
 import torch
@@ -28,6 +27,8 @@ from gradshare.codec import (
     encode_sparse_,
     message_info,
 )
+
+from world import selected
 
 
 def torch_path() -> contextlib.AbstractContextManager[None]:
@@ -331,41 +332,61 @@ class TestSpeculativeScan:
         assert wsa.sumsq == pytest.approx(wsb.sumsq, rel=1e-4, abs=1e-9)
 
 
-def test_kernels_without_avx512(tmp_path: Path) -> None:
-    """Compiled for a CPU without AVX-512 (LLVM then expands the vector compress), the kernels
-    still equal the torch path bit for bit. Runs in a fresh process with its own numba cache."""
-    script = (
-        "import torch\n"
-        "from gradshare import codec\n"
-        "from gradshare.codec import encode_sparse_, encode_bitmap_, decode_\n"
-        "for dtype in (torch.float32, torch.float64):\n"
-        "    g = torch.Generator().manual_seed(0)\n"
-        "    x = (torch.randn(3 * 65536 + 77, generator=g) * 1e-3).to(dtype)\n"
-        "    x[65536:65536 + 30000] *= 40\n"
-        "    for enc in (lambda r: encode_sparse_(r, 1e-3),\n"
-        "                lambda r: encode_sparse_(r, 1e-3, 5000),\n"
-        "                lambda r: encode_bitmap_(r, 1e-3)):\n"
-        "        a, b = x.clone(), x.clone()\n"
-        "        ma = enc(a)\n"
-        "        with codec.use_kernels(False):\n"
-        "            mb = enc(b)\n"
-        "        assert torch.equal(ma, mb) and torch.equal(a, b)\n"
-        "import gradshare.codec._kernels as k\n"
-        "cg = k.scan.targetctx.codegen()\n"
-        "assert '+avx512f' not in cg._tm_features, cg._tm_features\n"
-        "print('ok')\n"
-    )
+AVX2_ONLY = (
+    "import torch\n"
+    "from gradshare import codec\n"
+    "from gradshare.codec import encode_sparse_, encode_bitmap_, decode_\n"
+    "for dtype in (torch.float32, torch.float64):\n"
+    "    g = torch.Generator().manual_seed(0)\n"
+    "    x = (torch.randn(3 * 65536 + 77, generator=g) * 1e-3).to(dtype)\n"
+    "    x[65536:65536 + 30000] *= 40\n"
+    "    for enc in (lambda r: encode_sparse_(r, 1e-3),\n"
+    "                lambda r: encode_sparse_(r, 1e-3, 5000),\n"
+    "                lambda r: encode_bitmap_(r, 1e-3)):\n"
+    "        a, b = x.clone(), x.clone()\n"
+    "        ma = enc(a)\n"
+    "        with codec.use_kernels(False):\n"
+    "            mb = enc(b)\n"
+    "        assert torch.equal(ma, mb) and torch.equal(a, b)\n"
+    "import gradshare.codec._kernels as k\n"
+    "cg = k.scan.targetctx.codegen()\n"
+    "assert '+avx512f' not in cg._tm_features, cg._tm_features\n"
+    "print('ok')\n"
+)
+"""Compiles the kernels for a CPU without AVX-512 and compares them with the torch path."""
+
+
+@pytest.fixture(scope="module", autouse=True)
+def without_avx512(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[subprocess.Popen[str] | None]:
+    """:data:`AVX2_ONLY` in a fresh process with its own numba cache, started with the module's
+    first test: its compilation (tens of seconds, one thread) runs beside the other tests."""
+    if not selected(request, "test_kernels_without_avx512"):
+        yield None
+        return
     env = dict(
         os.environ,
         NUMBA_CPU_NAME="haswell",
         NUMBA_CPU_FEATURES="+64bit,+avx,+avx2,+fma,+bmi,+bmi2,+popcnt,+sse4.2,+f16c,+lzcnt,-avx512f",
-        NUMBA_CACHE_DIR=str(tmp_path),
+        NUMBA_CACHE_DIR=str(tmp_path_factory.mktemp("numba-avx2")),
     )
-    done = subprocess.run(
-        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.strip().endswith("ok")
+    proc = subprocess.Popen(
+        [sys.executable, "-c", AVX2_ONLY], env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    yield proc
+    proc.kill()
+    proc.communicate()
+
+
+def test_kernels_without_avx512(without_avx512: subprocess.Popen[str] | None) -> None:
+    """Compiled for a CPU without AVX-512 (LLVM then expands the vector compress), the kernels
+    still equal the torch path bit for bit. Runs in a fresh process with its own numba cache."""
+    assert without_avx512 is not None
+    out, err = without_avx512.communicate(timeout=600)
+    assert without_avx512.returncode == 0, err[-3000:]
+    assert out.strip().endswith("ok")
 
 
 def test_serial_kernels_equal_parallel() -> None:

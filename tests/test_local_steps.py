@@ -21,7 +21,7 @@ from gradshare import ExchangeError, LocalSteps, codec
 from gradshare.encoding.encoder import Encoder
 
 from toys import flat, toy_batches, toy_model
-from world import spawn
+from world import pooled, spawn
 
 
 def _train(model: nn.Module, inner: torch.optim.Optimizer, batches: list) -> None:
@@ -95,7 +95,7 @@ def _rank_laws(rank: int, world: int) -> dict:
 
 @pytest.fixture(scope="module")
 def laws() -> list[dict]:
-    return [r.get() for r in spawn(_rank_laws, 3)]
+    return [r.get() for r in pooled(_rank_laws, 3)]
 
 
 class TestSyncLaws:
@@ -240,7 +240,7 @@ def _rank_two(rank: int, world: int, tmp: str) -> dict:
 @pytest.fixture(scope="module")
 def two(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict], Path]:
     tmp = tmp_path_factory.mktemp("two")
-    return [r.get() for r in spawn(_rank_two, 2, str(tmp))], tmp
+    return [r.get() for r in pooled(_rank_two, 2, str(tmp))], tmp
 
 
 @pytest.fixture(scope="module")
@@ -341,7 +341,7 @@ def _rank_resume(rank: int, world: int, tmp: str, part: str) -> torch.Tensor:
 def test_resumed_run_is_bit_identical(two: tuple[list[dict], Path]) -> None:
     """20 steps straight vs 10, save, new processes, load, 10: the same bits."""
     whole = [r["whole"] for r in two[0]]
-    resumed = [r.get() for r in spawn(_rank_resume, 2, str(two[1]), "resumed")]
+    resumed = [r.get() for r in pooled(_rank_resume, 2, str(two[1]), "resumed")]
     for a, b in zip(whole, resumed, strict=True):
         assert torch.equal(a, b)
     assert torch.equal(whole[0], whole[1])  # step 20 ends with a sync
