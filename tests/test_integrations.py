@@ -255,8 +255,9 @@ class TestAccelerate:
         assert torch.equal(whole, resumed)
         assert torch.equal(whole, run["oracle"])
 
+        ckpt = run["ckpt"]  # resumed from already: now leave rank 1's file from another save
         make_stale(accelerate_rank_file(ckpt, 1))  # rank 1 stopped in a later save_state
-        stale = run_example("accelerate_ddp.py", *steps, "--resume", ckpt, fails=True)
+        stale = run_example("accelerate_ddp.py", "--steps", "26", "--resume", ckpt, fails=True)
         said = stale.stderr + stale.stdout  # accelerate shows one failed rank's error
         named = f"{accelerate_rank_file(ckpt, 1)} is from another save"
         assert named in said or "Rank(s) [1] could not load their gradshare" in said, said
