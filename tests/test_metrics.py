@@ -33,7 +33,9 @@ def test_the_hook_with_adam_warns_once(
     assert len(said) == 1 and "share='updates'" in said[0], said
 
 
-def _summing(rank: int, world: int, reduction: str | None) -> list[str]:
+def _summing(rank: int, world: int) -> list[list[str]]:
+    """Build a SharedOptimizer summing by choice, then one summing by default: what each
+    logged."""
     from gradshare import SharedOptimizer
 
     said: list[str] = []
@@ -41,15 +43,18 @@ def _summing(rank: int, world: int, reduction: str | None) -> list[str]:
     handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
     logging.getLogger("gradshare.distributed.shared_optimizer").addHandler(handler)
     model = torch.nn.Linear(4, 1)
-    encoding = {} if reduction is None else {"reduction": reduction}
-    SharedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), **encoding)
-    return said
+    out = []
+    for encoding in ({"reduction": "sum"}, {}):
+        SharedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), **encoding)
+        out.append(list(said))
+        said.clear()
+    return out
 
 
 def test_summing_over_more_than_two_ranks_warns() -> None:
-    """SharedOptimizer sums by default: on 3 ranks each step is 3x one rank's."""
-    for r in spawn(_summing, 3, None):
-        said = r.get()
-        assert len(said) == 1 and "Divide the learning rate by 3" in said[0], said
-    for r in spawn(_summing, 3, "sum"):  # chosen: silent
-        assert r.get() == []
+    """SharedOptimizer sums by default: on 3 ranks each step is 3x one rank's, and nothing
+    said so. A sum chosen explicitly stays silent."""
+    for r in spawn(_summing, 3):
+        chosen, default = r.get()
+        assert chosen == [], chosen
+        assert len(default) == 1 and "Divide the learning rate by 3" in default[0], default
