@@ -376,12 +376,13 @@ def _python(code: str) -> subprocess.CompletedProcess[str]:
 
 
 class TestOptionalImports:
-    """Lightning and accelerate stay optional: gradshare never imports them on its own."""
+    """Lightning, accelerate and transformers stay optional: gradshare never imports them on
+    its own."""
 
     def test_importing_gradshare_imports_neither(self) -> None:
         run = _python(
             "import sys, gradshare, gradshare.integrations\n"
-            "print(sorted({'lightning', 'accelerate'} & set(sys.modules)))"
+            "print(sorted({'lightning', 'accelerate', 'transformers'} & set(sys.modules)))"
         )
         assert run.returncode == 0, run.stderr
         assert run.stdout.strip() == "[]"
@@ -390,6 +391,14 @@ class TestOptionalImports:
         run = _python(
             "import sys; sys.modules['lightning'] = None\n"
             "from gradshare.integrations import GradshareDDPStrategy"
+        )
+        assert run.returncode != 0
+        assert INSTALL in run.stderr
+
+    def test_the_callback_without_transformers_says_how_to_install(self) -> None:
+        run = _python(
+            "import sys; sys.modules['transformers'] = None\n"
+            "from gradshare.integrations import GradshareCallback"
         )
         assert run.returncode != 0
         assert INSTALL in run.stderr

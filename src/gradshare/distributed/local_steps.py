@@ -34,6 +34,7 @@ from gradshare.distributed.exchange import (
     largest_message,
     rank_names,
 )
+from gradshare.distributed.metrics import share_metrics
 from gradshare.encoding.encoder import Encoder
 from gradshare.encoding.options import EncodingOptions, encoding_options
 from gradshare.encoding.threshold import BITMAP_DENSITY, QuantileThreshold, ThresholdAlgorithm
@@ -451,6 +452,13 @@ class LocalSteps:
         for g, p in zip(self.global_params, self.params, strict=True):
             g.grad = None
             p.detach().copy_(g)
+
+    def metrics(self) -> dict[str, float]:
+        """``bytes_sent``, ``dense_bytes``, ``compression``, ``density`` and ``threshold``
+        (the mean of the parameters' thresholds) of the last sync
+        (:func:`~gradshare.distributed.metrics.share_metrics`)."""
+        return share_metrics(self.bytes_sent, self.dense_bytes,
+                             [e.last_stats for e in self.encoders])  # fmt: skip
 
     # ------------------------------------------------------------------ checkpointing
 

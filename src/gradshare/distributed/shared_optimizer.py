@@ -9,6 +9,7 @@ and every rank applies the same decoded sum, so the replicas stay bit-identical.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections import OrderedDict
 from collections.abc import Callable
 from datetime import timedelta
@@ -37,6 +38,7 @@ from gradshare.distributed.exchange import (
     take_back,
 )
 from gradshare.distributed.hosts import count_ranks_on_host
+from gradshare.distributed.metrics import share_metrics, warn_once
 from gradshare.distributed.nodes import broadcast_messages, node_layout
 from gradshare.encoding.encoder import Encoder, EncodeStats
 from gradshare.encoding.options import EncodingOptions, encoding_options
@@ -45,6 +47,8 @@ if TYPE_CHECKING:
     from torch.nn.parallel import DistributedDataParallel
 
 __all__ = ["SharedOptimizer"]
+
+logger = logging.getLogger(__name__)
 
 
 _KEY = "gradshare"
@@ -227,6 +231,14 @@ class SharedOptimizer(torch.optim.Optimizer):
         """Zeros, for :func:`gradshare.codec.subtract_sum_`."""
         count_ranks_on_host(self._private.get())  # the kernels' share of the host
         self._broadcast_from_rank0(params)
+        world = dist.get_world_size(process_group)
+        if self.options.reduction is None and reduction == "sum" and world > 2:
+            warn_once(logger, "shared-sum",
+                      f"SharedOptimizer sums the {world} ranks' updates (reduction 'sum' by "
+                      f"default without `ddp=`): each step moves {world}x as far as one rank's "
+                      f"optimizer would, so a learning rate tuned for one process overshoots. "
+                      f"Divide the learning rate by {world}, or pass reduction='mean' (pass "
+                      "reduction='sum' to keep the sum and silence this).")  # fmt: skip
         if ddp is not None:
             ddp.register_comm_hook(None, _local_gradient_hook)
 
@@ -273,6 +285,16 @@ class SharedOptimizer(torch.optim.Optimizer):
     @property
     def state(self) -> Any:  # type: ignore[override]
         return self.optim.state
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The wrapped optimizer's, always: its ``load_state_dict`` replaces the list, and a
+        scheduler setting the learning rate here must reach the optimizer that steps."""
+        return self.optim.param_groups
+
+    @param_groups.setter
+    def param_groups(self, groups: list[dict[str, Any]]) -> None:
+        self.optim.param_groups = groups
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optim.zero_grad(set_to_none=set_to_none)
@@ -426,6 +448,18 @@ class SharedOptimizer(torch.optim.Optimizer):
                    what="dense all-reduce", rank=dist.get_rank(self.group))  # fmt: skip
         before.sub_(self._update.div_(self._divisor()))
         self.bytes_sent += 4 * self.numel
+
+    # ------------------------------------------------------------------ stats
+
+    @property
+    def dense_bytes(self) -> int:
+        """Bytes the same steps' updates take sent dense in float32."""
+        return 4 * self.numel * self.iteration
+
+    def metrics(self) -> dict[str, float]:
+        """``bytes_sent``, ``dense_bytes``, ``compression``, ``density``, ``threshold``
+        (:func:`~gradshare.distributed.metrics.share_metrics`)."""
+        return share_metrics(self.bytes_sent, self.dense_bytes, [self.last_stats])
 
     # ------------------------------------------------------------------ checkpointing
 

@@ -9,6 +9,10 @@ own file beside the framework's checkpoint and reads it back on resume:
   on the DDP model it builds (on CPU too, where ``DDPStrategy(ddp_comm_hook=...)`` registers
   nothing), or with ``share="updates"`` wraps the optimizer in ``SharedOptimizer(opt,
   ddp=...)``; it writes ``<checkpoint>.gradshare-rank{r}.pt`` beside each checkpoint.
+- Hugging Face Trainer: ``GradshareCallback(share="hook"|"updates"|"local").attach(trainer)``
+  registers the hook, wraps Trainer's optimizer in ``SharedOptimizer`` or runs ``LocalSteps``
+  on the DDP model Trainer builds; it writes ``checkpoint-N/gradshare-rank{r}.pt`` at every
+  save and reads it back on resume, and adds gradshare's metrics to Trainer's logs.
 - accelerate: after ``accelerator.prepare(...)``,
   ``state = register_threshold_hook(model)`` and ``register_rank_checkpointing(accelerator,
   state)``; ``save_state(dir)`` then also writes ``dir/gradshare-rank{r}.pt``.
@@ -24,11 +28,13 @@ way around it for one optimizer; SharedOptimizer's state dict carries the rank's
 the other ranks refuse it (as they must). The hook keeps the optimizer plain, so its rank-0
 copy is every rank's. (Lightning lets the strategy load the optimizers itself.)
 
-Neither framework is imported by ``import gradshare``; this module imports Lightning only
-when ``GradshareDDPStrategy`` is first used (``pip install -e '.[integrations]'``).
+No framework is imported by ``import gradshare``; this module imports Lightning only when
+``GradshareDDPStrategy`` is first used, transformers when ``GradshareCallback`` is (``pip
+install -e '.[integrations]'``).
 
 What lives here: :mod:`~gradshare.integrations.rank_files` (every rank's own file),
 :mod:`~gradshare.integrations.lightning` (``GradshareDDPStrategy``),
+:mod:`~gradshare.integrations.hf_trainer` (``GradshareCallback``),
 :mod:`~gradshare.integrations.accelerate` (``register_rank_checkpointing``).
 
 May import: any layer below it (:mod:`gradshare.distributed`, :mod:`gradshare.local`,
@@ -51,12 +57,15 @@ from gradshare.integrations.rank_files import (
 )
 
 if TYPE_CHECKING:
+    from gradshare.integrations.hf_trainer import GradshareCallback
     from gradshare.integrations.lightning import GradshareDDPStrategy
 
 __all__ = [
     # Lightning
     "GradshareDDPStrategy",
     "lightning_rank_file",
+    # Hugging Face Trainer
+    "GradshareCallback",
     # accelerate
     "accelerate_rank_file",
     "register_rank_checkpointing",
@@ -71,6 +80,14 @@ _INSTALL = "pip install -e '.[integrations]'"
 
 
 def __getattr__(name: str) -> Any:
+    if name == "GradshareCallback":
+        try:
+            from gradshare.integrations.hf_trainer import GradshareCallback
+        except ImportError as e:
+            raise ImportError(
+                f"gradshare.integrations.GradshareCallback needs transformers ({e}): {_INSTALL}"
+            ) from e
+        return GradshareCallback
     if name == "GradshareDDPStrategy":
         try:
             from gradshare.integrations.lightning import GradshareDDPStrategy

@@ -3,26 +3,16 @@
 
 from __future__ import annotations
 
-import json
-import os
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 from gradshare.integrations.rank_files import (
-    SaveToken,
     Stateful,
-    accelerate_rank_file,
-    load_rank_state,
-    new_token,
-    rank_and_world,
-    save_rank_state,
+    load_rank_directory,
+    save_rank_directory,
 )
 
 __all__ = ["register_rank_checkpointing"]
-
-TOKEN_FILE = "gradshare-save.json"
-"""The file in a ``save_state`` directory where the main process writes the save's token."""
 
 
 def register_rank_checkpointing(
@@ -51,25 +41,11 @@ def register_rank_checkpointing(
     """
 
     def save(models: Any, weights: Any, output_dir: str) -> None:
-        rank = rank_and_world()[0]
-        token = new_token(int(getattr(obj, "iteration", -1)), timeout=timeout)
-        save_rank_state(obj, accelerate_rank_file(output_dir, rank), token=token)
-        if rank == 0:  # after its own file: a token here means rank 0's file is complete
-            path = Path(output_dir) / TOKEN_FILE
-            tmp = path.with_name(f".{path.name}.tmp")
-            tmp.write_text(json.dumps(token.to_dict()))
-            os.replace(tmp, path)
+        step = getattr(obj, "iteration", getattr(obj, "steps", -1))  # the hook state, LocalSteps
+        save_rank_directory(obj, output_dir, int(step), timeout)
 
     def load(models: Any, input_dir: str) -> None:
-        path = Path(input_dir) / TOKEN_FILE
-        token = None
-        if path.exists():
-            try:
-                token = SaveToken.from_dict(json.loads(path.read_text()))
-            except (OSError, ValueError):
-                token = SaveToken(-1, -1)  # unreadable: no rank file matches it
-        load_rank_state(obj, accelerate_rank_file(input_dir, rank_and_world()[0]),
-                        token=token, source=str(path), timeout=timeout)  # fmt: skip
+        load_rank_directory(obj, input_dir, timeout)
 
     accelerator.register_save_state_pre_hook(save)
     accelerator.register_load_state_pre_hook(load)

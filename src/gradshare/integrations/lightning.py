@@ -12,6 +12,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from gradshare._checks import to_seconds
 from gradshare.distributed.ddp_hook import ThresholdHookState, register_threshold_hook
+from gradshare.distributed.metrics import warn_if_adaptive
 from gradshare.distributed.shared_optimizer import SharedOptimizer
 from gradshare.encoding.options import FIELDS, EncodingOptions, encoding_options
 from gradshare.integrations.rank_files import (
@@ -130,6 +131,9 @@ class GradshareDDPStrategy(DDPStrategy):
 
     def setup_optimizers(self, trainer: Any) -> None:
         super().setup_optimizers(trainer)
+        if self.share == "gradients":
+            for opt in self.optimizers:
+                warn_if_adaptive(opt, "GradshareDDPStrategy(share='gradients')")
         if self.share == "updates":
             if len(self.optimizers) != 1:
                 raise ValueError(

@@ -18,6 +18,7 @@ file or the files are of different saves.
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 from dataclasses import dataclass
@@ -36,11 +37,16 @@ __all__ = [
     "Stateful",
     "accelerate_rank_file",
     "lightning_rank_file",
+    "load_rank_directory",
     "load_rank_state",
     "new_token",
     "rank_and_world",
+    "save_rank_directory",
     "save_rank_state",
 ]
+
+TOKEN_FILE = "gradshare-save.json"
+"""The file in a checkpoint directory where rank 0 writes the save's token."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,3 +240,37 @@ def accelerate_rank_file(directory: str | os.PathLike[str], rank: int) -> Path:
     """Where :func:`register_rank_checkpointing` keeps rank ``rank``'s state in a checkpoint
     directory of ``accelerator.save_state``."""
     return Path(directory) / f"gradshare-rank{rank}.pt"
+
+
+def save_rank_directory(
+    obj: Stateful, directory: str | os.PathLike[str], step: int,
+    timeout: float | timedelta | None = None,
+) -> Path:  # fmt: skip
+    """Save ``obj`` of every rank into a checkpoint directory (a collective): the ranks agree
+    on a token, rank r writes ``<directory>/gradshare-rank{r}.pt``, then rank 0 writes the
+    token to ``<directory>/gradshare-save.json`` (so a token there means its file is whole)."""
+    rank = rank_and_world()[0]
+    token = new_token(step, timeout=timeout)
+    path = save_rank_state(obj, accelerate_rank_file(directory, rank), token=token)
+    if rank == 0:
+        saved = Path(directory) / TOKEN_FILE
+        tmp = saved.with_name(f".{saved.name}.tmp")
+        tmp.write_text(json.dumps(token.to_dict()))
+        os.replace(tmp, saved)
+    return path
+
+
+def load_rank_directory(
+    obj: Stateful, directory: str | os.PathLike[str], timeout: float | timedelta | None = None
+) -> None:
+    """Load what :func:`save_rank_directory` wrote for this rank (a collective): a file of
+    another save than ``gradshare-save.json`` names is refused on every rank alike."""
+    path = Path(directory) / TOKEN_FILE
+    token = None
+    if path.exists():
+        try:
+            token = SaveToken.from_dict(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            token = SaveToken(-1, -1)  # unreadable: no rank file matches it
+    load_rank_state(obj, accelerate_rank_file(directory, rank_and_world()[0]), token=token,
+                    source=str(path), timeout=timeout)  # fmt: skip

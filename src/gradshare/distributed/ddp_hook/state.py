@@ -13,6 +13,7 @@ from gradshare._checks import check_int
 from gradshare.distributed.checkpoint import check_format, check_saved_by, saved_by
 from gradshare.distributed.ddp_hook.parameters import Param, ParameterEncoders, Place
 from gradshare.distributed.exchange import Pipeline, PrivateGroup
+from gradshare.distributed.metrics import share_metrics
 from gradshare.encoding.encoder import Encoder, EncodeStats
 from gradshare.encoding.options import EncodingOptions, encoding_options
 from gradshare.encoding.threshold import ThresholdAlgorithm
@@ -136,6 +137,12 @@ class ThresholdHookState:
         self._runtime.first_pass = False
         self.iteration += 1
         self._runtime.pipeline.clear_failure()
+
+    def metrics(self) -> dict[str, float]:
+        """``bytes_sent``, ``dense_bytes``, ``compression``, ``density`` and ``threshold``
+        (the mean of the parameters' thresholds) of the last step
+        (:func:`~gradshare.distributed.metrics.share_metrics`)."""
+        return share_metrics(self.bytes_sent, self.dense_bytes, self.last_stats.values())
 
     # ------------------------------------------------------------------ checkpointing
 

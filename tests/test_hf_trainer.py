@@ -1,0 +1,58 @@
+"""The Hugging Face Trainer: ``GradshareCallback`` on each path, run as a user runs the example.
+
+Each path trains the tiny GPT-2 of ``examples/hf_trainer.py`` on 2 processes for 10 steps,
+saving at step 5, then resumes from ``checkpoint-5`` with a fresh model and Trainer and must
+end at the same parameters, bit for bit; every run checks its replicas are bit-identical and
+that gradshare's metrics reached ``trainer.state.log_history``. One path also resumes in new
+processes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from test_integrations import INSTALL, WORLD, run_example
+
+STEPS = ["--steps", "10"]
+
+
+@pytest.fixture(autouse=True)
+def _torch_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The torch ops, bit for bit the kernels', without numba's compilation in every rank."""
+    monkeypatch.setenv("GRADSHARE_KERNELS", "0")
+
+
+@pytest.mark.parametrize("share", ["hook", "updates", "local"])
+def test_replicas_agree_and_the_resume_holds(tmp_path: Path, share: str) -> None:
+    pytest.importorskip("transformers", reason=f"needs transformers: {INSTALL}")
+    run = run_example(
+        "hf_trainer.py", "--share", share, *STEPS, "--check-resume", "5",
+        "--output-dir", tmp_path / "out",
+    )  # fmt: skip
+    assert "resumed from step 5: the same parameters, bit for bit" in run.stdout, run.stdout
+    assert "logged: bytes_sent, compression, density, threshold" in run.stdout
+    assert run.stdout.strip().splitlines()[-1].startswith("step 10: rank 0 sent ")
+    assert "x less)" in run.stdout
+    folder = tmp_path / "out" / "checkpoint-5"
+    assert sorted(p.name for p in folder.glob("gradshare-*")) == [
+        *(f"gradshare-rank{r}.pt" for r in range(WORLD)), "gradshare-save.json"
+    ]  # fmt: skip
+
+
+def test_resume_in_new_processes(tmp_path: Path) -> None:
+    """Local steps carry the most per-rank state (each replica, its AdamW moments, the
+    residuals and the global copy): a resume in new processes ends where the straight run
+    (of the test above) ends."""
+    pytest.importorskip("transformers", reason=f"needs transformers: {INSTALL}")
+    out = tmp_path / "out"
+    common = ["--share", "local", *STEPS, "--output-dir", out]
+    run_example("hf_trainer.py", *common, "--save-steps", "5", "--out", tmp_path / "straight.pt")
+    resumed = run_example(
+        "hf_trainer.py", *common, "--resume", out / "checkpoint-5", "--out", tmp_path / "r.pt"
+    )
+    assert "step 10: rank 0 sent" in resumed.stdout
+    whole = torch.load(tmp_path / "straight.pt", weights_only=True)
+    assert torch.equal(whole, torch.load(tmp_path / "r.pt", weights_only=True))

@@ -1,0 +1,60 @@
+"""One metric naming for every sharing mode, and the warnings for settings that lose."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from gradshare.distributed import metrics
+from gradshare.distributed.metrics import share_metrics, warn_if_adaptive
+
+from world import spawn
+
+
+def test_share_metrics_names_and_ratio() -> None:
+    got = share_metrics(100, 400)
+    assert got == {"bytes_sent": 100.0, "dense_bytes": 400.0, "compression": 4.0,
+                   "density": 1.0, "threshold": 0.0}  # fmt: skip
+
+
+def test_the_hook_with_adam_warns_once(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Sharing gradients into AdamW loses to sharing its updates: nothing said so."""
+    monkeypatch.setattr(metrics, "_warned", set())
+    p = [torch.nn.Parameter(torch.zeros(2))]
+    with caplog.at_level(logging.WARNING, logger="gradshare.distributed.metrics"):
+        assert not warn_if_adaptive(torch.optim.SGD(p, lr=0.1), "the hook")
+        assert warn_if_adaptive(torch.optim.AdamW(p), "the hook")
+        assert warn_if_adaptive(torch.optim.Adam(p), "the hook")
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "share='updates'" in said[0], said
+
+
+def _summing(rank: int, world: int) -> list[list[str]]:
+    """Build a SharedOptimizer summing by choice, then one summing by default: what each
+    logged."""
+    from gradshare import SharedOptimizer
+
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("gradshare.distributed.shared_optimizer").addHandler(handler)
+    model = torch.nn.Linear(4, 1)
+    out = []
+    for encoding in ({"reduction": "sum"}, {}):
+        SharedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), **encoding)
+        out.append(list(said))
+        said.clear()
+    return out
+
+
+def test_summing_over_more_than_two_ranks_warns() -> None:
+    """SharedOptimizer sums by default: on 3 ranks each step is 3x one rank's, and nothing
+    said so. A sum chosen explicitly stays silent."""
+    for r in spawn(_summing, 3):
+        chosen, default = r.get()
+        assert chosen == [], chosen
+        assert len(default) == 1 and "Divide the learning rate by 3" in default[0], default
