@@ -111,8 +111,9 @@ class ThresholdHookState:
 
     @property
     def threshold(self) -> ThresholdAlgorithm | None:
-        """The threshold algorithm each parameter's encoder clones (None: the default)."""
-        return self.options.threshold
+        """The threshold algorithm each parameter's encoder clones (a fresh copy; None with
+        ``dense=True``)."""
+        return self.options.algorithm()
 
     @property
     def timeout(self) -> timedelta:
