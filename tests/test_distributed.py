@@ -172,7 +172,7 @@ def _rank_huge_claim(rank: int, world: int) -> int:
     """Rank 1 claims a 2**40-word message for an 84-element vector; the others must refuse
     before allocating anything for it."""
     if rank == 1:
-        header = torch.tensor([0, 2**40, 84], dtype=torch.int64)
+        header = torch.tensor([0, 2**40, 84, -1], dtype=torch.int64)  # status, words, numel, round
         dist.all_gather([torch.empty_like(header) for _ in range(world)], header)
         return 0
     import resource
@@ -410,8 +410,12 @@ class TestFaults:
         assert survivor.get() < 1e-6
 
     def test_parameter_sizes_differ(self) -> None:
-        for r in spawn(_rank_sizes, 2):
-            assert r.error == "ExchangeError" and "different sizes" in r.message
+        """Caught at construction by the settings check, the same readable error everywhere."""
+        results = spawn(_rank_sizes, 2)
+        for r in results:
+            assert r.error == "ValueError", r.traceback
+            assert "`numel` 227 on rank 0, 241 on rank 1" in r.message
+        assert results[0].message == results[1].message
 
     def test_claimed_size_is_capped_before_any_allocation(self) -> None:
         zero, _, two = spawn(_rank_huge_claim, 3)

@@ -221,11 +221,12 @@ class TestHierarchical:
             assert r.get().startswith("MessageError: Message from node 1 is invalid"), r.get()
 
     def test_failing_rank_stops_every_rank(self) -> None:
-        """Rank 3's update is not finite: its node peer, the other node and its leader raise."""
+        """Rank 3's update is not finite: its node peer, the other node and its leader raise,
+        naming global ranks (not the rank within the node or the leaders' group)."""
         out = [r.get() for r in spawn(_rank_failure, 4)]
         assert out[3].startswith("ValueError") and "non-finite" in out[3]
-        assert out[2].startswith("ExchangeError") and "rank(s) [1] failed" in out[2]
-        assert out[0].startswith("ExchangeError") and "rank(s) [1] failed" in out[0]
+        assert out[2].startswith("ExchangeError") and "rank(s) [3] failed" in out[2]
+        assert out[0].startswith("ExchangeError") and "rank(s) [2] failed" in out[0]
         assert out[1].startswith("ExchangeError") and "leader (rank 0)" in out[1]
 
     @pytest.mark.parametrize(

@@ -5,7 +5,11 @@ What lives here:
 - :mod:`~gradshare.distributed.exchange`: the all-gather of every rank's int32 message (sizes
   first, nothing pickled), the private groups with gradshare's timeout, the ordered pipeline.
 - :mod:`~gradshare.distributed.shared_optimizer`: ``SharedOptimizer``, every rank's optimizer
-  update encoded and shared (DL4J's mode), flat or hierarchical (:mod:`.nodes`).
+  update encoded and shared (DL4J's mode), flat or hierarchical (:mod:`.nodes`); its
+  optimizer-API glue in :mod:`.wrapper`.
+- :mod:`~gradshare.distributed.agreement`: the one check that every rank runs with the same
+  settings (one readable error, the same on every rank); :mod:`.checkpoint`: what every
+  per-rank state records and the checks a load runs before anything changes.
 - :mod:`~gradshare.distributed.ddp_hook`: the DDP communication hook that encodes gradients.
 - :mod:`~gradshare.distributed.hosts`, ``_inflight``: ranks per host; collectives in flight at
   exit.

@@ -2,16 +2,30 @@
 
 Each rank saves its own state (its residuals differ from every other rank's), so each state
 records the rank and world size that saved it and the format it is written in; a load checks
-both before anything changes.
+both before anything changes. The other checks here let a load refuse junk with an error naming
+the field (a counter that is not a count, a residual of another dtype or length, a threshold
+state that is not a positive finite float) before anything changes, never half-way through.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
-__all__ = ["check_format", "check_saved_by", "saved_by"]
+__all__ = [
+    "check_counter",
+    "check_encoder_state",
+    "check_format",
+    "check_mapping",
+    "check_saved_by",
+    "saved_by",
+]
+
+_LARGEST_THRESHOLD = float(torch.finfo(torch.float32).max)
+"""A threshold above float32's largest value could never be crossed by a float32 residual."""
 
 
 def saved_by(group: Any = None) -> dict[str, int]:
@@ -45,3 +59,58 @@ def check_format(saved: dict[str, Any], what: str, current: int) -> int:
             "was saved by a newer gradshare (upgrade), or the checkpoint is corrupted."
         )
     return version
+
+
+def check_mapping(value: Any, what: str) -> dict[str, Any]:
+    """``value`` if it is a dict, else a ValueError naming ``what``."""
+    if not isinstance(value, dict):
+        raise ValueError(
+            f"Expect {what} to be a dict, got {type(value).__name__}: the checkpoint is "
+            "corrupted or of something else."
+        )
+    return value
+
+
+def check_counter(saved: dict[str, Any], name: str, what: str) -> int:
+    """``saved[name]`` if it is an int >= 0 (not a bool), else a ValueError naming it."""
+    value = saved.get(name)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(
+            f"{what}'s `{name}` is {value!r}, not an int >= 0: the checkpoint is corrupted."
+        )
+    return value
+
+
+def check_encoder_state(saved: Any, numel: int | None, what: str) -> None:
+    """Refuse an :meth:`~gradshare.Encoder.state_dict` whose residual is not a 1-D float32
+    tensor of ``numel`` elements (any length when None), or whose threshold state holds a
+    last threshold that is not a finite float32 >= 0 (or a last density outside [0, 1]);
+    the encoder itself checks the rest (finite residual, the same algorithm and settings)."""
+    saved = check_mapping(saved, f"{what}'s encoder state")
+    residual = saved.get("residual")
+    if residual is not None:
+        if not isinstance(residual, torch.Tensor) or residual.dim() != 1:
+            raise ValueError(f"{what}'s `residual` is not a 1-D tensor: the checkpoint is "
+                             "corrupted.")  # fmt: skip
+        if residual.dtype != torch.float32:
+            raise ValueError(
+                f"{what}'s `residual` is {residual.dtype}, not torch.float32: the checkpoint "
+                "is corrupted (gradshare saves float32 residuals)."
+            )
+        if numel is not None and residual.numel() != numel:
+            raise ValueError(
+                f"{what}'s `residual` has {residual.numel()} elements, this one {numel}: the "
+                "checkpoint is of another model."
+            )
+    algorithm = check_mapping(saved.get("algorithm"), f"{what}'s threshold state")
+    for name, low, high in (("last_threshold", 0.0, _LARGEST_THRESHOLD),
+                            ("last_density", 0.0, 1.0)):  # fmt: skip
+        value = algorithm.get(name)
+        if value is None:
+            continue
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not (ok and math.isfinite(value) and low <= value <= high):
+            raise ValueError(
+                f"{what}'s threshold state has `{name}` {value!r}: expect None or a float in "
+                f"[{low:g}, {high:g}]; the checkpoint is corrupted."
+            )

@@ -3,9 +3,11 @@
 Where DL4J sends each message over its own UDP transport, gradshare exchanges them with the
 collectives PyTorch users already run (gloo on CPU, NCCL on CUDA), launched by ``torchrun``:
 
-1. every rank all-gathers a small header ``[status, words, numel]`` (fixed size);
-2. every rank checks that all ranks encode vectors of one size, that none failed locally, and
-   that no claimed length exceeds the largest valid message for that size;
+1. every rank all-gathers a small header ``[status, words, numel, round]`` (fixed size);
+2. every rank checks that none failed locally, that all are at the same round (the caller's
+   step or iteration: a rank resumed from a stale checkpoint is caught here, never averaged in),
+   that all encode vectors of one size, and that no claimed length exceeds the largest valid
+   message for that size;
 3. every rank all-gathers its int32 message padded to the longest, and trims each back.
 
 Nothing is pickled: only int64 headers and int32 messages travel. The receivers validate each
@@ -43,6 +45,7 @@ __all__ = [
     "PrivateGroup",
     "collective",
     "exchange_messages",
+    "global_ranks",
     "largest_message",
     "rank_names",
     "take_back",
@@ -81,16 +84,37 @@ def collective(
     # the traceback keeps this frame until exit: it must not keep the work, or the backend
     # could not drop it before exit (see _close_all)
     del work
+    text = f"{type(error).__name__}: {error}"
+    if any(sign in text for sign in _MISMATCH):
+        cause = (
+            "the ranks issued different collectives (their settings or steps differ: build "
+            "every rank alike and resume every rank from the same step)"
+        )
+    else:
+        cause = (
+            "a peer raised, was killed, or the network is down; or the ranks issued different "
+            "collectives (their settings or steps differ)"
+        )
     raise ExchangeError(
         f"Rank {rank}: the {what} failed after {time.monotonic() - start:.1f} s (timeout "
-        f"{timeout.total_seconds():g} s): a peer raised, was killed, or the network is down. "
-        f"Original error: {type(error).__name__}: {error}"
+        f"{timeout.total_seconds():g} s): {cause}. Original error: {text}"
     ) from error
 
 
-def rank_names(world: int) -> list[str]:
-    """How errors name the messages of an exchange, by position."""
-    return [f"rank {r}" for r in range(world)]
+_MISMATCH = ("EnforceNotMet", "collective mismatch", "size doesn't match", "size mismatch")
+"""What a backend's error says when the ranks' collectives did not match."""
+
+
+def global_ranks(group: Any = None) -> list[int]:
+    """The global rank of each rank of ``group``, in group order (errors name global ranks)."""
+    return dist.get_process_group_ranks(group or dist.group.WORLD)
+
+
+def rank_names(world: int, group: Any = None) -> list[str]:
+    """How errors name the messages of an exchange over ``group``, by position: by global
+    rank (the ranks of a world of ``world`` when no group is given)."""
+    ranks = global_ranks(group) if dist.is_initialized() else list(range(world))
+    return [f"rank {r}" for r in ranks[:world]]
 
 
 def largest_message(numel: int) -> int:
@@ -108,6 +132,7 @@ def exchange_messages(
     device: torch.device | None = None,
     failure: BaseException | None = None,
     max_words: int | None = None,
+    round: int = -1,
 ) -> list[torch.Tensor | None]:
     """All-gather every rank's message for a vector of ``numel`` elements, in rank order.
 
@@ -121,24 +146,30 @@ def exchange_messages(
     ``numel``): a message that concatenates one piece per parameter (the DDP hook's) is capped
     at the sum of its pieces' largest messages.
 
+    ``round`` is the caller's step or iteration (-1: none): ranks at different rounds (one
+    resumed from a stale checkpoint) raise the same error naming each rank's, before anything
+    is exchanged.
+
     Raises:
-        ExchangeError: another rank failed, the ranks' vector sizes differ, a rank claims a
+        ExchangeError: another rank failed, the ranks are at different rounds, the ranks'
+            vector sizes differ, a rank claims a
             longer message than any valid one (nothing is allocated for it), or a collective
             failed or timed out.
     """
     timeout = timedelta(seconds=to_seconds(timeout))
-    rank = dist.get_rank(group)
+    rank = dist.get_rank()
     world = dist.get_world_size(group)
+    ranks = global_ranks(group)
     if device is None:
         device = message.device if message is not None else torch.device("cpu")
     words = 0 if message is None else message.numel()
     status = _OK if failure is None else _FAILED
-    header = torch.tensor([status, words, numel], dtype=torch.int64, device=device)
+    header = torch.tensor([status, words, numel, round], dtype=torch.int64, device=device)
     headers = [torch.empty_like(header) for _ in range(world)]
     collective(dist.all_gather, headers, header, group=group, timeout=timeout,
                what="size exchange", rank=rank)  # fmt: skip
     table = torch.stack(headers).cpu().tolist()
-    failed = [r for r, h in enumerate(table) if h[0] != _OK]
+    failed = [ranks[r] for r, h in enumerate(table) if h[0] != _OK]
     if failure is not None:
         raise failure
     if failed:
@@ -146,14 +177,20 @@ def exchange_messages(
             f"Rank {rank}: rank(s) {failed} failed to encode their update this step (see their "
             "own error); every rank stops here."
         )
-    sizes = {r: h[2] for r, h in enumerate(table)}
+    if len({h[3] for h in table}) != 1:
+        at = ", ".join(f"{h[3]} on rank {ranks[r]}" for r, h in enumerate(table))
+        raise ExchangeError(
+            f"The ranks are at different iterations ({at}): nothing was exchanged. Every rank "
+            "must resume from the checkpoint of the same step (a stale per-rank checkpoint?)."
+        )
+    sizes = {ranks[r]: h[2] for r, h in enumerate(table)}
     if len(set(sizes.values())) != 1:
         raise ExchangeError(
             f"Rank {rank}: the ranks share vectors of different sizes {sizes}: every rank must "
             "hold the same model (same parameters, same order)."
         )
     cap = largest_message(numel) if max_words is None else max_words
-    claims = {r: h[1] for r, h in enumerate(table) if not 0 <= h[1] <= cap}
+    claims = {ranks[r]: h[1] for r, h in enumerate(table) if not 0 <= h[1] <= cap}
     if claims:
         raise ExchangeError(
             f"Rank {rank}: rank(s) {sorted(claims)} claim messages of {claims} words, but no "

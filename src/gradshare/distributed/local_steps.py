@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import struct
-import zlib
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
@@ -27,10 +25,13 @@ import torch.distributed.nn.functional
 from gradshare import codec
 from gradshare.codec import multipart
 from gradshare.codec._flat import slices
+from gradshare.distributed.agreement import agree
+from gradshare.distributed.checkpoint import check_counter, check_encoder_state, check_mapping
 from gradshare.distributed.exchange import (
     PrivateGroup,
     collective,
     exchange_messages,
+    global_ranks,
     largest_message,
     rank_names,
 )
@@ -55,38 +56,10 @@ FORMAT_VERSION = 1
 
 OuterFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
 
-# The sync header: one int64 per field, all-gathered before every sync (and at construction).
-_FIELDS = (
-    "round",
-    "status",
-    "bad_parameter",
-    "sync_every",
-    "density",
-    "decay",
-    "dense",
-    "threshold",
-    "outer_optimizer",
-    "world_size",
-    "num_params",
-    "shapes",
-    "grad_scaler",
-)
-_SETTINGS = _FIELDS[3:]
-_FLOATS = {"density", "decay"}
+# The sync header: one int64 per field, all-gathered before every sync. (The settings are
+# compared once, at construction, by gradshare.distributed.agreement.)
+_FIELDS = ("round", "status", "bad_parameter")
 _OK, _NONFINITE, _FAILED = 0, 1, 2
-_D, _Q = struct.Struct("<d"), struct.Struct("<q")
-
-
-def _bits(x: float) -> int:
-    return int(_Q.unpack(_D.pack(float(x)))[0])
-
-
-def _float(bits: int) -> float:
-    return float(_D.unpack(_Q.pack(bits))[0])
-
-
-def _crc(text: str) -> int:
-    return zlib.crc32(text.encode())
 
 
 def _default_outer(params: list[torch.Tensor]) -> torch.optim.Optimizer:
@@ -224,7 +197,13 @@ class LocalSteps:
         probe_outer = outer([torch.zeros(1)])  # its settings, for the header
         self._outer_text = _optimizer_text(probe_outer)
         self._scaler_counts = grad_scaler is not None
-        self._header_exchange("construction")  # settings agree on every rank before anything
+        agree(
+            self._agreed_settings(),
+            group=self._private.get(),
+            timeout=self.timeout,
+            what="LocalSteps",
+            device=self.device,
+        )  # before anything: every rank alike
         self._broadcast_from_rank0()
         self.global_params = [
             p.detach().to(self.home, copy=True).requires_grad_(False) for p in self.params
@@ -296,47 +275,36 @@ class LocalSteps:
 
     # ------------------------------------------------------------------ the sync
 
-    def _header(self, status: int, bad: int) -> list[int]:
-        values = {
-            "round": self.syncs,
-            "status": status,
-            "bad_parameter": bad,
+    def _agreed_settings(self) -> dict[str, Any]:
+        """What every rank must agree on (compared at construction, readable when not)."""
+        return {
             "sync_every": self.sync_every,
-            "density": _bits(-1.0 if self.density is None else self.density),
-            "decay": _bits(self.decay),
-            "dense": int(self.dense),
-            "threshold": _crc(self._threshold_text()),
-            "outer_optimizer": _crc(self._outer_text),
+            "density": self.density,
+            "decay": self.decay,
+            "dense": self.dense,
+            "threshold": self._threshold_text(),
+            "outer_optimizer": self._outer_text,
             "world_size": self._world,
             "num_params": len(self.params),
-            "shapes": _crc(repr([(n, s, str(p.dtype)) for n, s, p in
-                                 zip(self.names, self._shapes(), self.params, strict=True)])),
-            "grad_scaler": int(self._scaler_counts),
+            "shapes": [(n, s, str(p.dtype)) for n, s, p in
+                       zip(self.names, self._shapes(), self.params, strict=True)],
+            "grad_scaler": self._scaler_counts,
         }  # fmt: skip
-        return [values[f] for f in _FIELDS]
 
     def _header_exchange(self, what: str, status: int = _OK, bad: int = -1) -> list[list[int]]:
-        """All-gather every rank's header; raise the same error on every rank when rounds or
-        settings differ. Returns the table (one row per rank)."""
-        header = torch.tensor(self._header(status, bad), dtype=torch.int64, device=self.device)
+        """All-gather every rank's ``[round, status, bad_parameter]``; raise the same error on
+        every rank when the rounds differ. Returns the table (one row per rank)."""
+        header = torch.tensor([self.syncs, status, bad], dtype=torch.int64, device=self.device)
         headers = [torch.empty_like(header) for _ in range(self._world)]
         collective(dist.all_gather, headers, header, group=self._private.get(),
                    timeout=self.timeout, what=f"sync header ({what})", rank=self._rank)  # fmt: skip
         table = torch.stack(headers).cpu().tolist()
-        differ = [f for f in _SETTINGS if len({row[_FIELDS.index(f)] for row in table}) > 1]
-        if differ:
-            raise ValueError(
-                f"LocalSteps ({what}): the ranks' settings differ in "
-                + "; ".join(_values(table, f) for f in differ)
-                + ": build LocalSteps with the same arguments and the same model on every "
-                "rank (a silent average of different settings would be wrong)."
-            )
         rounds = {row[0] for row in table}
         if len(rounds) > 1:
             raise ValueError(
                 f"LocalSteps ({what}): the ranks are at different sync rounds, "
-                f"{_values(table, 'round')}: every rank must resume from the checkpoint of "
-                "the same step."
+                f"{_values(table, 'round', global_ranks(self.group))}: every rank must resume "
+                "from the checkpoint of the same step."
             )
         return table
 
@@ -378,13 +346,14 @@ class LocalSteps:
         return slices(self._delta if flat is None else flat, (p.numel() for p in self.params))
 
     def _check_status(self, table: list[list[int]]) -> None:
-        failed = [r for r, row in enumerate(table) if row[1] == _FAILED]
+        ranks = global_ranks(self.group)
+        failed = [ranks[r] for r, row in enumerate(table) if row[1] == _FAILED]
         if failed:
             raise RuntimeError(
                 f"LocalSteps sync round {self.syncs}: rank(s) {failed} failed to compute their "
                 "outer gradient (see their own error); every rank stops here, nothing changed."
             )
-        bad = {r: row[2] for r, row in enumerate(table) if row[1] == _NONFINITE}
+        bad = {ranks[r]: row[2] for r, row in enumerate(table) if row[1] == _NONFINITE}
         if bad:
             where = ", ".join(f"rank {r} in parameter {self.names[i]!r}" for r, i in bad.items())
             raise ValueError(
@@ -427,8 +396,9 @@ class LocalSteps:
                 None if mine is None else mine.to(self.device), self.numel,
                 group=self._private.get(), timeout=self.timeout, device=self.device,
                 failure=failure, max_words=sum(largest_message(p.numel()) for p in self.params),
+                round=self.syncs,
             )  # fmt: skip
-            names = rank_names(self._world)
+            names = rank_names(self._world, self._private.get())
             pieces = [
                 multipart.split_message(
                     None if m is None else m.to(self.home), sizes, name, self.names
@@ -492,7 +462,9 @@ class LocalSteps:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore this rank's :meth:`state_dict`; check everything first, change nothing on
-        any mismatch (another world size, rank, ``sync_every``, mode or model)."""
+        any mismatch (another world size, rank, ``sync_every``, mode or model) or junk (a
+        ValueError naming the field)."""
+        state = check_mapping(state, "a LocalSteps state")
         missing = {"format", "settings", "steps", "syncs", "bytes_sent", "dense_bytes",
                    "global", "encoders", "outer"} - set(state)  # fmt: skip
         if missing:
@@ -502,7 +474,9 @@ class LocalSteps:
                 f"LocalSteps state has format {state['format']!r}, this version reads "
                 f"{FORMAT_VERSION}: resume with the gradshare version that saved it."
             )
-        here, saved = self._settings(), state["settings"]
+        here, saved = self._settings(), check_mapping(state["settings"], "`settings`")
+        counters = {k: check_counter(state, k, "LocalSteps state")
+                    for k in ("steps", "syncs", "bytes_sent", "dense_bytes")}  # fmt: skip
         differ = [k for k in here if saved.get(k) != here[k]]
         if differ:
             raise ValueError(
@@ -520,6 +494,9 @@ class LocalSteps:
                 "LocalSteps state's global copy does not match the model's parameters (count, "
                 "shape) or is not finite: the checkpoint is of another model or corrupted."
             )
+        if not isinstance(state["encoders"], list) or not isinstance(state["global"], list):
+            raise ValueError("LocalSteps state's `encoders` and `global` must be lists: the "
+                             "checkpoint is corrupted.")  # fmt: skip
         if len(state["encoders"]) != len(self.encoders):
             raise ValueError(
                 f"LocalSteps state holds {len(state['encoders'])} encoder states, this one has "
@@ -527,6 +504,7 @@ class LocalSteps:
             )
         probes = []
         for _enc, saved_enc, p in zip(self.encoders, state["encoders"], self.params, strict=True):
+            check_encoder_state(saved_enc, p.numel(), "LocalSteps state")
             probe = self.options.encoder(self._algorithm())
             probe.load_state_dict(saved_enc)  # refuses a bad residual or another algorithm
             if probe.residual is not None and probe.residual.numel() != p.numel():
@@ -543,10 +521,10 @@ class LocalSteps:
         for g, t in zip(self.global_params, glob, strict=True):
             g.copy_(t)
         self.encoders = probes
-        self.steps = int(state["steps"])
-        self.syncs = int(state["syncs"])
-        self.bytes_sent = int(state["bytes_sent"])
-        self.dense_bytes = int(state["dense_bytes"])
+        self.steps = counters["steps"]
+        self.syncs = counters["syncs"]
+        self.bytes_sent = counters["bytes_sent"]
+        self.dense_bytes = counters["dense_bytes"]
 
     # ------------------------------------------------------------------ lifetime
 
@@ -573,11 +551,10 @@ class LocalSteps:
         )
 
 
-def _values(table: list[list[int]], field: str) -> str:
-    """``field`` on each rank, as ``"`decay` 0.95 on rank 0, 0.9 on rank 1"``."""
+def _values(table: list[list[int]], field: str, ranks: list[int]) -> str:
+    """``field`` on each (global) rank, as ``"`round` 1 on rank 0, 5 on rank 1"``."""
     j = _FIELDS.index(field)
-    show = _float if field in _FLOATS else (lambda v: v)
-    values = ", ".join(f"{show(row[j])} on rank {r}" for r, row in enumerate(table))
+    values = ", ".join(f"{row[j]} on rank {ranks[r]}" for r, row in enumerate(table))
     return f"`{field}` {values}"
 
 

@@ -1,5 +1,6 @@
-"""The nodes of the hierarchical exchange: which ranks share a machine, and how a node's
-leader hands the messages of all nodes to the other ranks of its node (docs/design.md §6).
+"""The hierarchical exchange: which ranks share a machine, the exchange in two levels
+(:class:`HierarchicalExchange`), and how a node's leader hands the messages of all nodes to
+the other ranks of its node (docs/design.md §6).
 
 A node is a run of ``node_size`` consecutive ranks, as torchrun numbers them (rank =
 node rank x ``LOCAL_WORLD_SIZE`` + ``LOCAL_RANK``); its first rank is its leader. Over
@@ -9,7 +10,9 @@ torch.distributed only int64 headers and int32 messages travel, as in
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -17,9 +20,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gradshare.distributed.exchange import ExchangeError, collective, largest_message
+from gradshare import codec
+from gradshare.distributed.exchange import (
+    ExchangeError,
+    PrivateGroup,
+    collective,
+    exchange_messages,
+    largest_message,
+    take_back,
+)
+from gradshare.encoding.encoder import Encoder
 
-__all__ = ["NodeLayout", "broadcast_messages", "node_layout"]
+__all__ = ["HierarchicalExchange", "NodeLayout", "broadcast_messages", "node_layout"]
 
 _OK, _FAILED = 0, 1
 
@@ -165,3 +177,100 @@ def broadcast_messages(
         out.append(payload[start : start + s] if s else None)
         start += s
     return out
+
+
+class HierarchicalExchange:
+    """The two-level exchange of :class:`~gradshare.SharedOptimizer` (``hierarchical=``).
+
+    Each step: the ranks of a node all-reduce their updates densely (sum); every rank of the
+    node adds that node update into the node's residual with an identical encoder, so every
+    rank of a node holds the same node residual; the node leaders exchange their encoded
+    messages across nodes; each leader broadcasts them to its node, where every rank validates
+    and applies them in node order. A failure anywhere reaches every rank: a leader tells the
+    other leaders, and its node through the broadcast.
+
+    Making it is a collective of every rank: each makes its node's group, then its rail's.
+    """
+
+    def __init__(
+        self, layout: NodeLayout, numel: int, timeout: timedelta, device: torch.device
+    ) -> None:
+        self.layout = layout
+        self.numel = numel
+        self.timeout = timeout
+        self.device = device
+        self._node = PrivateGroup(None, timeout, layout.node_ranks)
+        self._leaders = PrivateGroup(None, timeout, layout.rail_ranks)
+        """For the leaders, the leaders' group (for the others their rail's, unused)."""
+        self._node.get()  # every rank makes both now, in this order (see rail_ranks)
+        self._leaders.get()
+
+    def share(
+        self,
+        update: torch.Tensor,
+        before: torch.Tensor,
+        scratch: torch.Tensor,
+        encoder: Encoder,
+        failure: BaseException | None,
+        *,
+        iteration: int,
+        divisor: int,
+        sent: Callable[[int], None],
+    ) -> None:
+        """All-reduce this node's ``update`` (in place), encode it into the node residual,
+        exchange the node messages between leaders, broadcast them in the node, and step
+        ``before -= Σ decoded / divisor``; ``sent(bytes)`` counts what a leader sent. On any
+        error this rank's message goes back into the residual."""
+        nodes = self.layout
+        rank = dist.get_rank()
+        leader = rank == nodes.leader
+        kw: dict[str, Any] = {"timeout": self.timeout, "device": self.device}
+        try:  # 1. every rank of the node is well, then U = Σ of the node's updates
+            node = self._node.get()
+            exchange_messages(None, self.numel, group=node, failure=failure, round=iteration,
+                              **kw)  # fmt: skip
+            collective(dist.all_reduce, update, group=node, timeout=self.timeout,
+                       what="node all-reduce", rank=rank)  # fmt: skip
+        except BaseException as e:
+            if leader:
+                self._tell_leaders(e)
+            raise
+        message: torch.Tensor | None = None
+        failure = None
+        try:  # 2. the same residual, U and threshold give the same message on every rank
+            message = encoder.encode(update, iteration)
+        except Exception as e:
+            failure = e
+        try:  # 3. leaders exchange across nodes, then hand the messages to their node
+            if leader:
+                try:
+                    gathered = exchange_messages(message, self.numel, group=self._leaders.get(),
+                                                 failure=failure, round=iteration,
+                                                 **kw)  # fmt: skip
+                except BaseException:
+                    if failure is None:  # the others of the node wait for the broadcast
+                        broadcast_messages(None, src=rank, group=self._node.get(),
+                                           num_nodes=nodes.num_nodes, numel=self.numel,
+                                           **kw)  # fmt: skip
+                    raise
+                sent(0 if message is None else message.numel() * 4)
+            elif failure is not None:
+                raise failure  # the leader failed alike (same residual, same U)
+            else:
+                gathered = None
+            messages = broadcast_messages(
+                gathered if leader else None, src=nodes.leader, group=self._node.get(),
+                num_nodes=nodes.num_nodes, numel=self.numel, **kw,
+            )  # fmt: skip
+            codec.subtract_sum_(messages, before, scratch, divisor=divisor,
+                                names=[f"node {k}" for k in range(nodes.num_nodes)])  # fmt: skip
+        except BaseException:
+            if message is not None:
+                take_back(message, encoder.residual)  # type: ignore[arg-type]
+            raise
+
+    def _tell_leaders(self, error: BaseException) -> None:
+        """This node failed before its exchange: let the other leaders raise at once too."""
+        with contextlib.suppress(BaseException):
+            exchange_messages(None, self.numel, group=self._leaders.get(), timeout=self.timeout,
+                              device=self.device, failure=error)  # fmt: skip

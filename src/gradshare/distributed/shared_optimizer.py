@@ -8,9 +8,8 @@ and every rank applies the same decoded sum, so the replicas stay bit-identical.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections import OrderedDict
+import os
 from collections.abc import Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -29,7 +28,15 @@ import torch.distributed.nn.functional
 
 from gradshare import codec
 from gradshare.codec._flat import views
-from gradshare.distributed.checkpoint import check_format, check_saved_by, saved_by
+from gradshare.distributed.agreement import agree
+from gradshare.distributed.checkpoint import (
+    check_counter,
+    check_encoder_state,
+    check_format,
+    check_mapping,
+    check_saved_by,
+    saved_by,
+)
 from gradshare.distributed.exchange import (
     PrivateGroup,
     collective,
@@ -39,7 +46,8 @@ from gradshare.distributed.exchange import (
 )
 from gradshare.distributed.hosts import count_ranks_on_host
 from gradshare.distributed.metrics import share_metrics, warn_once
-from gradshare.distributed.nodes import broadcast_messages, node_layout
+from gradshare.distributed.nodes import HierarchicalExchange, node_layout
+from gradshare.distributed.wrapper import OptimizerWrapper
 from gradshare.encoding.encoder import Encoder, EncodeStats
 from gradshare.encoding.options import EncodingOptions, encoding_options
 
@@ -59,12 +67,14 @@ FORMAT = 2
 which recorded none; it reads the same)."""
 
 
-def _split_state(state_dict: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+def _split_state(state_dict: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     """(the wrapped optimizer's state dict, gradshare's entries) of either schema."""
+    state_dict = check_mapping(state_dict, "a SharedOptimizer state dict")
     if _KEY in state_dict:
-        return {k: v for k, v in state_dict.items() if k != _KEY}, state_dict[_KEY]
+        ours = check_mapping(state_dict[_KEY], f"the state dict's {_KEY!r} entry")
+        return {k: v for k, v in state_dict.items() if k != _KEY}, ours
     if {"optimizer", "encoder", "iteration", "bytes_sent", "numel"} <= set(state_dict):
-        return state_dict["optimizer"], state_dict  # gradshare 0.1
+        return check_mapping(state_dict["optimizer"], "`optimizer`"), state_dict  # gradshare 0.1
     raise ValueError(
         f"Expect a SharedOptimizer state dict (with a {_KEY!r} entry), got keys "
         f"{sorted(state_dict)}: a plain optimizer's checkpoint holds no residual; load it "
@@ -109,7 +119,7 @@ def _local_gradient_hook(state, bucket):
     return future
 
 
-class SharedOptimizer(torch.optim.Optimizer):
+class SharedOptimizer(OptimizerWrapper):
     """Wrap any optimizer so that ranks share its threshold-encoded updates (DL4J's mode).
 
     Each :meth:`step`:
@@ -176,10 +186,7 @@ class SharedOptimizer(torch.optim.Optimizer):
         options: EncodingOptions | None = None,
         **encoding: Any,
     ) -> None:
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(
-                f"Expect `optimizer` to be a torch.optim.Optimizer, got {type(optimizer).__name__}."
-            )
+        super().__init__(optimizer)
         self.options = encoding_options(options, encoding, "SharedOptimizer")
         algorithm = self.options.algorithm()
         reduction = self.options.reduce("sum" if ddp is None else "mean")
@@ -192,10 +199,6 @@ class SharedOptimizer(torch.optim.Optimizer):
             _check_ddp(ddp, optimizer)
             if process_group is None:
                 process_group = ddp.process_group
-        self.optim = optimizer
-        self.param_groups = optimizer.param_groups
-        self.defaults = optimizer.defaults
-        self._init_hooks()
         self.group = process_group
         self.reduction = reduction
         self.timeout = timedelta(seconds=self.options.seconds())
@@ -217,14 +220,13 @@ class SharedOptimizer(torch.optim.Optimizer):
                 "`hierarchical` needs encoded updates: with `dense=True` the flat all-reduce "
                 "already is the dense exchange."
             )
+        agree(self._settings(hierarchical), group=self._private.get(), timeout=self.timeout,
+              what="SharedOptimizer", device=self.device)  # fmt: skip
         self.nodes = node_layout(hierarchical, process_group, self._private.get(), self.timeout)
         """The nodes of the hierarchical exchange (None: flat, every rank's message)."""
-        if self.nodes is not None:
-            self._node = PrivateGroup(None, self.timeout, self.nodes.node_ranks)
-            self._leaders = PrivateGroup(None, self.timeout, self.nodes.rail_ranks)
-            """For the leaders, the leaders' group (for the others their rail's, unused)."""
-            self._node.get()  # every rank makes both now, in this order (see rail_ranks)
-            self._leaders.get()
+        self._hierarchy = None if self.nodes is None else HierarchicalExchange(
+            self.nodes, self.numel, self.timeout, self.device
+        )  # fmt: skip
         self._before = torch.empty(self.numel, dtype=params[0].dtype, device=self.device)
         self._update = torch.empty_like(self._before)
         self._scratch = torch.zeros_like(self._before)
@@ -244,28 +246,27 @@ class SharedOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ set-up
 
-    def _init_hooks(self) -> None:
-        """What ``torch.optim.Optimizer.__init__`` sets besides the parameters and the state
-        (which are the wrapped optimizer's): the hook registries and the patched ``step``, so
-        that ``register_step_pre_hook`` / ``register_step_post_hook`` (run once per step),
-        the state-dict hooks and the profiler work on this wrapper as on any optimizer."""
-        for name in (
-            "_optimizer_step_pre_hooks",
-            "_optimizer_step_post_hooks",
-            "_optimizer_state_dict_pre_hooks",
-            "_optimizer_state_dict_post_hooks",
-            "_optimizer_load_state_dict_pre_hooks",
-            "_optimizer_load_state_dict_post_hooks",
-        ):
-            setattr(self, name, OrderedDict())
-        self._patch_step_function()
-
-    def _params(self) -> list[torch.Tensor]:
-        return [p for g in self.param_groups for p in g["params"]]
+    def _settings(self, hierarchical: bool | int) -> dict[str, Any]:
+        """What every rank must agree on (:func:`~gradshare.distributed.agreement.agree`):
+        what changes the sum or the wire. Each rank's optimizer state is its own."""
+        if hierarchical is True:  # the node size it resolves to
+            raw = os.environ.get("LOCAL_WORLD_SIZE", "")
+            hierarchical = int(raw) if raw.isdigit() else True
+        settings: dict[str, Any] = {
+            "numel": self.numel,
+            "reduction": self.reduction,
+            "dense": self.options.dense,
+            "hierarchical": hierarchical,
+        }
+        if self.encoder is not None:
+            o = self.options
+            settings.update(threshold=self.encoder.algorithm, magnitude=o.magnitude,
+                            boundary=o.boundary, post_processor=o.post_processor)  # fmt: skip
+        return settings
 
     @torch.no_grad()
     def _broadcast_from_rank0(self, params: list[torch.Tensor]) -> None:
-        rank = dist.get_rank(self.group)
+        rank = dist.get_rank()
         exchange_messages(
             None, self.numel, group=self._private.get(), timeout=self.timeout, device=self.device
         )
@@ -281,23 +282,6 @@ class SharedOptimizer(torch.optim.Optimizer):
             p.copy_(piece)
 
     # ------------------------------------------------------------------ optimizer API
-
-    @property
-    def state(self) -> Any:  # type: ignore[override]
-        return self.optim.state
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        """The wrapped optimizer's, always: its ``load_state_dict`` replaces the list, and a
-        scheduler setting the learning rate here must reach the optimizer that steps."""
-        return self.optim.param_groups
-
-    @param_groups.setter
-    def param_groups(self, groups: list[dict[str, Any]]) -> None:
-        self.optim.param_groups = groups
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.optim.zero_grad(set_to_none=set_to_none)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         raise RuntimeError(
@@ -324,7 +308,7 @@ class SharedOptimizer(torch.optim.Optimizer):
         try:
             if self.encoder is None:
                 self._dense_step(before, failure)
-            elif self.nodes is not None:
+            elif self._hierarchy is not None:
                 self._share_hierarchical(before, failure)
             else:
                 self._share(message, before, failure)
@@ -362,14 +346,15 @@ class SharedOptimizer(torch.optim.Optimizer):
         a peer's message fails, this rank's own message goes back into its residual (the
         parameters are put back too): nothing of it is lost for a job that catches the error,
         checkpoints and resumes."""
+        group = self._private.get()
         try:
             messages = exchange_messages(
-                message, self.numel, group=self._private.get(), timeout=self.timeout,
-                device=self.device, failure=failure,
+                message, self.numel, group=group, timeout=self.timeout,
+                device=self.device, failure=failure, round=self.iteration,
             )  # fmt: skip
             codec.subtract_sum_(
                 messages, before, self._scratch, divisor=self._divisor(),
-                names=rank_names(len(messages)),
+                names=rank_names(len(messages), group),
             )  # fmt: skip
         except BaseException:
             if message is not None and self.encoder is not None:
@@ -377,63 +362,19 @@ class SharedOptimizer(torch.optim.Optimizer):
             raise
 
     def _share_hierarchical(self, before: torch.Tensor, failure: BaseException | None) -> None:
-        """All-reduce the node's update, encode it into the node residual (alike on every rank
-        of the node), exchange the node messages between leaders, broadcast them in the node,
-        and step ``before -= Σ decoded / divisor``. A failure anywhere reaches every rank:
-        a leader tells the other leaders, and its node through the broadcast."""
-        nodes, encoder = self.nodes, self.encoder
-        assert nodes is not None and encoder is not None
-        rank = dist.get_rank()
-        leader = rank == nodes.leader
-        kw: dict[str, Any] = {"timeout": self.timeout, "device": self.device}
-        try:  # 1. every rank of the node is well, then U = Σ of the node's updates
-            node = self._node.get()
-            exchange_messages(None, self.numel, group=node, failure=failure, **kw)
-            collective(dist.all_reduce, self._update, group=node, timeout=self.timeout,
-                       what="node all-reduce", rank=rank)  # fmt: skip
-        except BaseException as e:
-            if leader:
-                self._tell_leaders(e)
-            raise
-        message: torch.Tensor | None = None
-        failure = None
-        try:  # 2. the same residual, U and threshold give the same message on every rank
-            message = encoder.encode(self._update, self.iteration)
-            self.last_stats = encoder.last_stats
-        except Exception as e:
-            failure = e
-        try:  # 3. leaders exchange across nodes, then hand the messages to their node
-            if leader:
-                try:
-                    gathered = exchange_messages(message, self.numel, group=self._leaders.get(),
-                                                 failure=failure, **kw)  # fmt: skip
-                except BaseException:
-                    if failure is None:  # the others of the node wait for the broadcast
-                        broadcast_messages(None, src=rank, group=self._node.get(),
-                                           num_nodes=nodes.num_nodes, numel=self.numel,
-                                           **kw)  # fmt: skip
-                    raise
-                self.bytes_sent += 0 if message is None else message.numel() * 4
-            elif failure is not None:
-                raise failure  # the leader failed alike (same residual, same U)
-            else:
-                gathered = None
-            messages = broadcast_messages(
-                gathered if leader else None, src=nodes.leader, group=self._node.get(),
-                num_nodes=nodes.num_nodes, numel=self.numel, **kw,
-            )  # fmt: skip
-            codec.subtract_sum_(messages, before, self._scratch, divisor=self._divisor(),
-                                names=[f"node {k}" for k in range(nodes.num_nodes)])  # fmt: skip
-        except BaseException:
-            if message is not None:
-                take_back(message, encoder.residual)  # type: ignore[arg-type]
-            raise
+        """The two-level exchange (:class:`~gradshare.distributed.nodes.HierarchicalExchange`)."""
+        assert self._hierarchy is not None and self.encoder is not None
 
-    def _tell_leaders(self, error: BaseException) -> None:
-        """This node failed before its exchange: let the other leaders raise at once too."""
-        with contextlib.suppress(BaseException):
-            exchange_messages(None, self.numel, group=self._leaders.get(), timeout=self.timeout,
-                              device=self.device, failure=error)  # fmt: skip
+        def sent(n: int) -> None:
+            self.bytes_sent += n
+
+        try:
+            self._hierarchy.share(self._update, before, self._scratch, self.encoder, failure,
+                                  iteration=self.iteration, divisor=self._divisor(),
+                                  sent=sent)  # fmt: skip
+        finally:
+            if self.encoder.last_stats is not None:
+                self.last_stats = self.encoder.last_stats
 
     def _divisor(self) -> int:
         return dist.get_world_size(self.group) if self.reduction == "mean" else 1
@@ -442,10 +383,10 @@ class SharedOptimizer(torch.optim.Optimizer):
         """The oracle: all-reduce the exact update (after the same status and size check)."""
         exchange_messages(
             None, self.numel, group=self._private.get(), timeout=self.timeout,
-            device=self.device, failure=failure,
+            device=self.device, failure=failure, round=self.iteration,
         )  # fmt: skip
         collective(dist.all_reduce, self._update, group=self._private.get(), timeout=self.timeout,
-                   what="dense all-reduce", rank=dist.get_rank(self.group))  # fmt: skip
+                   what="dense all-reduce", rank=dist.get_rank())  # fmt: skip
         before.sub_(self._update.div_(self._divisor()))
         self.bytes_sent += 4 * self.numel
 
@@ -480,12 +421,27 @@ class SharedOptimizer(torch.optim.Optimizer):
         return saved
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore this rank's :meth:`state_dict`; on any mismatch raise and change nothing.
+        """Restore this rank's :meth:`state_dict`; on any mismatch or junk raise a
+        ``ValueError`` naming the field, and change nothing: everything is checked first.
 
         Also reads the schema of gradshare 0.1 (``{"optimizer": ..., "encoder": ...}``).
         """
         optim_state, ours = _split_state(state_dict)
-        check_format(ours, "SharedOptimizer state", FORMAT)
+        self._check_ours(ours)
+        if self.encoder is not None:  # everything that can refuse runs before any change
+            enc = self.encoder
+            probe = Encoder(enc.algorithm.clone(), enc.post_processor, magnitude=enc.magnitude)
+            probe.load_state_dict(ours["encoder"])
+        self.optim.load_state_dict(optim_state)  # checks everything before it changes
+        if self.encoder is not None:
+            self.encoder.load_state_dict(ours["encoder"])
+        self.iteration = ours["iteration"]
+        self.bytes_sent = ours["bytes_sent"]
+
+    def _check_ours(self, ours: dict[str, Any]) -> None:
+        """Refuse gradshare's entries of a state dict unless every one fits this optimizer."""
+        what = "SharedOptimizer state"
+        check_format(ours, what, FORMAT)
         if ours.get("numel") != self.numel:
             raise ValueError(
                 f"Checkpoint shares {ours.get('numel')} elements, this optimizer "
@@ -499,17 +455,14 @@ class SharedOptimizer(torch.optim.Optimizer):
                 f"node; None: flat), this optimizer has {mode}: a node residual and a rank's "
                 "residual are different books; resume in the mode that saved it."
             )
+        check_counter(ours, "iteration", what)
+        check_counter(ours, "bytes_sent", what)
+        if "encoder" not in ours:
+            raise ValueError(f"{what} is missing `encoder`: the checkpoint is corrupted.")
         if (ours["encoder"] is None) != (self.encoder is None):
             raise ValueError("Checkpoint and optimizer differ in mode (encoded vs `dense=True`).")
-        if self.encoder is not None:  # everything that can refuse runs before any change
-            enc = self.encoder
-            probe = Encoder(enc.algorithm.clone(), enc.post_processor, magnitude=enc.magnitude)
-            probe.load_state_dict(ours["encoder"])
-        self.optim.load_state_dict(optim_state)  # refuses before changing anything
         if self.encoder is not None:
-            self.encoder.load_state_dict(ours["encoder"])
-        self.iteration = int(ours["iteration"])
-        self.bytes_sent = int(ours["bytes_sent"])
+            check_encoder_state(ours["encoder"], self.numel, what)
 
     def __repr__(self) -> str:
         algorithm = None if self.encoder is None else self.encoder.algorithm

@@ -19,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 from gradshare import codec
 from gradshare.codec import multipart
 from gradshare.codec._flat import slices
+from gradshare.distributed.agreement import agree
 from gradshare.distributed.ddp_hook.parameters import Param
 from gradshare.distributed.ddp_hook.state import ThresholdHookState
 from gradshare.distributed.exchange import (
@@ -63,7 +64,12 @@ def threshold_hook(
     hook returns equals the true mean gradients (with momentum: the mean of the ``u``) minus
     the mean of the ranks' current residuals. A rank whose encode fails, or a bad message,
     fails the future on every rank with an error naming the rank, and each rank puts its own
-    messages back into its residuals; DDP raises the error from ``backward()``.
+    messages back into its residuals; ``backward()`` raises the original error (its type
+    and message: an :class:`~gradshare.ExchangeError`, a ``ValueError``), not DDP's
+    ``RuntimeError``. The first exchange of every process first checks that every rank's
+    hook settings agree (:func:`~gradshare.distributed.agreement.agree`), and every exchange
+    carries the iteration, so ranks at different iterations (a stale checkpoint) raise the
+    same error instead of averaging different steps.
 
     Tuning: the threshold adapts per parameter, so parameters whose gradients differ in scale
     by orders of magnitude each send their own share. With momentum, use ``0.9`` here and an
@@ -81,7 +87,7 @@ def threshold_hook(
         _exchange_bucket, state, group, grad, bucket.index(), params, state.iteration,
         _ready_event(grad),
     )  # fmt: skip
-    future = state._runtime.pipeline.submit(job)
+    future = state._runtime.watch(state._runtime.pipeline.submit(job), grad)
     if state.iteration == state.start_iter and bucket.index() == 0 and state.start_iter:
         logger.info("threshold hook: encoding from iteration %d on", state.iteration)
     if bucket.is_last():
@@ -116,10 +122,18 @@ def _exchange_bucket(
         state._runtime.counted = True
     world = dist.get_world_size(group)
     numel = grad.numel()
+    if not state._runtime.agreed:  # every rank's first exchange in this process
+        agree(state.settings(world), group=group, timeout=state.timeout,
+              what="ThresholdHookState (the DDP hook)", device=grad.device)  # fmt: skip
+        state._runtime.agreed = True
     if iteration < state.start_iter or state.options.dense:
+        # the same header as an encoded exchange first: ranks at different iterations (one
+        # encoding, one all-reducing) meet in the same collective and raise alike
+        exchange_messages(None, numel, group=group, timeout=state.timeout, device=grad.device,
+                          round=iteration)  # fmt: skip
         out = grad.div_(state.divisor(world))
         collective(dist.all_reduce, out, group=group, timeout=state.timeout,
-                   what="gradient all-reduce", rank=dist.get_rank(group))  # fmt: skip
+                   what="gradient all-reduce", rank=dist.get_rank())  # fmt: skip
         state.bytes_sent += 4 * numel
     else:
         out = _encoded_exchange(state, group, grad, index, params, iteration, world)
@@ -151,8 +165,9 @@ def _encoded_exchange(
         messages = exchange_messages(
             mine, grad.numel(), group=group, timeout=state.timeout, device=grad.device,
             failure=failure, max_words=sum(largest_message(n) for _, n in params),
+            round=iteration,
         )  # fmt: skip
-        names, divisor = rank_names(world), state.divisor(world)
+        names, divisor = rank_names(world, group), state.divisor(world)
         pieces = [_split(m, params, name) for m, name in zip(messages, names, strict=True)]
         for i, target in enumerate(slices(total, (n for _, n in params))):
             codec.decode_sum_([p[i] for p in pieces], target, divisor=divisor, names=names,

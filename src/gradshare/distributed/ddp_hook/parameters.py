@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from gradshare.distributed.checkpoint import check_encoder_state
 from gradshare.encoding.encoder import Encoder
 from gradshare.encoding.options import EncodingOptions
 
@@ -86,6 +87,7 @@ class ParameterEncoders:
         encoders = {}
         for key, saved in state["encoders"].items():
             place = _place(key)
+            check_encoder_state(saved, sizes.get(place), f"Hook state's parameter {place}")
             enc = self.options.encoder()
             enc.load_state_dict(saved)  # refuses a non-finite residual
             if enc.residual is not None:

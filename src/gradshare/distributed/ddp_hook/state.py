@@ -133,6 +133,22 @@ class ThresholdHookState:
         """What the summed decoded gradients are divided by: the world size (``"mean"``)."""
         return world if self.options.reduce("mean") == "mean" else 1
 
+    def settings(self, world: int) -> dict[str, Any]:
+        """What every rank must agree on before the first exchange: what changes the sum,
+        the wire, or which collective an iteration issues."""
+        o = self.options
+        settings: dict[str, Any] = {
+            "world_size": world,
+            "start_iter": self.start_iter,
+            "momentum": self.momentum,
+            "dense": o.dense,
+            "reduction": o.reduce("mean"),
+        }
+        if not o.dense:
+            settings.update(threshold=o.algorithm(), magnitude=o.magnitude, boundary=o.boundary,
+                            post_processor=o.post_processor)  # fmt: skip
+        return settings
+
     def end_of_pass(self) -> None:
         """Called by the hook for the last bucket of each iteration."""
         self._runtime.first_pass = False
@@ -216,7 +232,18 @@ class _Runtime:
     """What belongs to this process only: DDP's first-iteration layout as seen here, the
     float32 buffers for fp16 buckets, the pipeline's thread and the private group."""
 
-    __slots__ = ("buffers", "counted", "first_pass", "group", "keys", "pipeline", "sizes")
+    __slots__ = (
+        "agreed",
+        "buffers",
+        "counted",
+        "failure",
+        "first_pass",
+        "group",
+        "keys",
+        "pipeline",
+        "sizes",
+        "watched",
+    )
 
     def __init__(self) -> None:
         self.keys: dict[int, Place] = {}
@@ -231,6 +258,50 @@ class _Runtime:
         """The ranks on this host are counted (for the kernels' threads)."""
         self.group: PrivateGroup | None = None
         """The private twin of the process group the pipeline's collectives use."""
+        self.agreed = False
+        """Every rank's settings were found equal (checked at the first exchange)."""
+        self.failure: BaseException | None = None
+        """The first error of this backward pass's exchanges, for :meth:`raise_failure`."""
+        self.watched: list[torch.futures.Future[torch.Tensor]] | None = None
+        """This backward pass's futures, while a callback at its end is queued to check them."""
+
+    def watch(
+        self, future: torch.futures.Future[torch.Tensor], grad: torch.Tensor
+    ) -> torch.futures.Future[torch.Tensor]:
+        """The future to give DDP for a bucket's exchange: one that always completes (with a
+        zero gradient when the exchange failed), while a callback queued at the end of this
+        backward pass raises the exchange's own error. A failed future would reach the user
+        as DDP's ``RuntimeError("Unable to cast ... to Tensor")``, its type lost; an error
+        raised in an autograd callback leaves ``backward()`` as it is.
+
+        Outside a backward pass (no autograd engine to queue on) ``future`` is returned as is.
+        """
+        if self.watched is None:
+            try:
+                torch.autograd.Variable._execution_engine.queue_callback(self.raise_failure)
+            except RuntimeError:
+                return future
+            self.watched = []
+
+        def keep(done: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+            try:
+                return done.value()
+            except BaseException as e:
+                if self.failure is None:
+                    self.failure = e
+                return grad.zero_()
+
+        out = future.then(keep)
+        self.watched.append(out)
+        return out
+
+    def raise_failure(self) -> None:
+        """At the end of a backward pass: wait for its exchanges, raise the first error."""
+        watched, self.watched = self.watched or [], None
+        torch.futures.wait_all(watched)
+        failure, self.failure = self.failure, None
+        if failure is not None:
+            raise failure
 
     def exchange_group(self, state: ThresholdHookState) -> Any:
         """The private twin of ``state.process_group`` (made on the first call, from the
