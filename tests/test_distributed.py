@@ -401,7 +401,8 @@ class TestFaults:
 
     def test_nonfinite_update_stops_every_rank(self) -> None:
         results = spawn(_rank_fault, 3, "nonfinite")
-        assert results[2].error == "ValueError" and "non-finite" in results[2].message
+        # NonFiniteUpdate: a ValueError naming the cause, which the CLI tells from other errors
+        assert results[2].error == "NonFiniteUpdate" and "non-finite" in results[2].message
         for r in results[:2]:
             assert r.error == "ExchangeError" and "rank(s) [2] failed" in r.message
 

@@ -224,7 +224,7 @@ class TestHierarchical:
         """Rank 3's update is not finite: its node peer, the other node and its leader raise,
         naming global ranks (not the rank within the node or the leaders' group)."""
         out = [r.get() for r in spawn(_rank_failure, 4)]
-        assert out[3].startswith("ValueError") and "non-finite" in out[3]
+        assert out[3].startswith("NonFiniteUpdate") and "non-finite" in out[3]  # a ValueError
         assert out[2].startswith("ExchangeError") and "rank(s) [3] failed" in out[2]
         assert out[0].startswith("ExchangeError") and "rank(s) [2] failed" in out[0]
         assert out[1].startswith("ExchangeError") and "leader (rank 0)" in out[1]
