@@ -169,6 +169,7 @@ class GradshareDDPStrategy(DDPStrategy):
         if self.share == "local":
             if self.local_steps is not None:
                 self.local_steps.close()
+            assert self.lightning_module is not None
             self.local_steps = LocalSteps(self.lightning_module, self.optimizers[0],
                                           options=self.options, **self._local_settings)  # fmt: skip
         if self.share == "updates":
