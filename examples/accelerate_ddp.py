@@ -11,6 +11,14 @@ also writes ``dir/gradshare-rank{r}.pt`` on every rank (accelerate itself writes
 objects from the main process only). ``accelerate.notebook_launcher`` starts the 2 processes
 (gloo, 127.0.0.1, a free port).
 
+``--share local``: no all-reduce at all. Forward and backward run under
+``accelerator.no_sync(model)`` (DDP keeps every gradient local), each rank steps its own
+replica, and ``LocalSteps(accelerator.unwrap_model(model), opt.optimizer, sync_every=H)``
+syncs the replicas every H steps with sparse messages. Between syncs the replicas differ,
+so each rank's file holds, besides LocalSteps' state, that rank's own parameters and
+optimizer state (``RankState`` below): accelerate's ``load_state`` then loads rank 0's model
+and optimizer over them, so ``RankState.restore()`` puts each rank's own back after it.
+
 Batches are accelerate's: the loader is not shuffled (``digits`` is already in random order)
 and accelerate deals its batches out, rank r taking batches r, r + 2, ...; every epoch runs
 in the same order. A resumed run skips the batches of the epoch it had done
@@ -23,6 +31,7 @@ bit for bit.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import socket
 from pathlib import Path
@@ -33,7 +42,7 @@ from accelerate import Accelerator, notebook_launcher
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from gradshare import AdaptiveThreshold, register_threshold_hook
+from gradshare import AdaptiveThreshold, LocalSteps, register_threshold_hook
 from gradshare.app.datasets import digits, mlp
 from gradshare.integrations import register_rank_checkpointing
 
@@ -51,6 +60,39 @@ class Progress:
         self.step = int(state["step"])
 
 
+class RankState:
+    """What differs between ranks with ``--share local``: LocalSteps' state, and this rank's
+    own parameters and optimizer state. Loading keeps them until :meth:`restore`, called
+    after ``accelerator.load_state`` (which loads rank 0's model and optimizer)."""
+
+    def __init__(self, sync: LocalSteps) -> None:
+        self.sync = sync
+        self.saved: dict[str, Any] | None = None
+
+    @property
+    def steps(self) -> int:  # the step of each save's token
+        return self.sync.steps
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "sync": self.sync.state_dict(),
+            "inner": self.sync.inner.state_dict(),
+            "params": [p.detach().clone() for p in self.sync.params],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.saved = state
+
+    def restore(self) -> None:
+        assert self.saved is not None
+        self.sync.load_state_dict(self.saved["sync"])
+        self.sync.inner.load_state_dict(self.saved["inner"])
+        with torch.no_grad():
+            for p, t in zip(self.sync.params, self.saved["params"], strict=True):
+                p.copy_(t)
+        self.saved = None
+
+
 def train(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     accelerator = Accelerator(cpu=True)
@@ -60,18 +102,27 @@ def train(args: argparse.Namespace) -> None:
     data = TensorDataset(split.x_train, split.y_train)
     loader = DataLoader(data, batch_size=args.batch_size, drop_last=True)
     model, opt, loader = accelerator.prepare(model, opt, loader)
-    state = register_threshold_hook(model, threshold=AdaptiveThreshold(args.threshold))
-    register_rank_checkpointing(accelerator, state)  # every rank its own residuals
+    local = args.share == "local"
+    if local:  # no all-reduce (no_sync below): LocalSteps syncs the replicas
+        sync = LocalSteps(accelerator.unwrap_model(model), opt.optimizer, args.sync_every)
+        rank_state: Any = RankState(sync)
+        register_rank_checkpointing(accelerator, rank_state)
+    else:
+        state = register_threshold_hook(model, threshold=AdaptiveThreshold(args.threshold))
+        register_rank_checkpointing(accelerator, state)  # every rank its own residuals
     progress = Progress()
     accelerator.register_for_checkpointing(progress)
     if args.resume is not None:
         accelerator.load_state(args.resume)
+        if local:
+            rank_state.restore()  # this rank's replica over rank 0's model
         accelerator.print(f"resumed from step {progress.step}")
     while progress.step < args.steps:
         skip = progress.step % len(loader)
         for x, y in accelerator.skip_first_batches(loader, skip) if skip else loader:
             opt.zero_grad()
-            accelerator.backward(F.cross_entropy(model(x), y))
+            with accelerator.no_sync(model) if local else contextlib.nullcontext():
+                accelerator.backward(F.cross_entropy(model(x), y))
             opt.step()
             progress.step += 1
             if progress.step == args.save_at:
@@ -79,10 +130,12 @@ def train(args: argparse.Namespace) -> None:
                 accelerator.print(f"saved step {progress.step} to {args.checkpoint_dir}")
             if progress.step == args.steps:
                 break
-    ratio = state.dense_bytes / max(state.bytes_sent, 1)
+    sent, dense = (
+        (sync.bytes_sent, sync.dense_bytes) if local else (state.bytes_sent, state.dense_bytes)
+    )
     accelerator.print(
-        f"step {progress.step}: rank 0 sent {state.bytes_sent:,} B vs {state.dense_bytes:,} B "
-        f"dense ({ratio:.0f}x less)"
+        f"step {progress.step}: rank 0 sent {sent:,} B vs {dense:,} B "
+        f"dense ({dense / max(sent, 1):.0f}x less)"
     )
     if accelerator.is_main_process and args.out is not None:
         params = accelerator.unwrap_model(model).parameters()
@@ -103,6 +156,11 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=0.2)
     parser.add_argument("--threshold", type=float, default=1e-3, help="adaptive, initial value")
+    parser.add_argument(
+        "--share", choices=["gradients", "local"], default="gradients",
+        help="the DDP hook, or LocalSteps (no all-reduce; sparse syncs every --sync-every)",
+    )  # fmt: skip
+    parser.add_argument("--sync-every", type=int, default=10, help="--share local: H")
     parser.add_argument("--checkpoint-dir", type=Path, help="where --save-at saves")
     parser.add_argument("--save-at", type=int, help="save_state after this many steps")
     parser.add_argument("--resume", type=Path, help="a save_state directory to resume from")

@@ -5,10 +5,13 @@
     python examples/lightning_ddp.py --epochs 4 --resume ckpt/step=20.ckpt
 
 An ordinary LightningModule; the one change is ``strategy=GradshareDDPStrategy(...)``
-(``--share updates``: ``SharedOptimizer`` shares the optimizer's updates instead). Run as
+(``--share updates``: ``SharedOptimizer`` shares the optimizer's updates instead;
+``--share local``: no all-reduce at all, each rank steps its own replica and ``LocalSteps``
+syncs the replicas every ``--sync-every`` steps with sparse messages). Run as
 a plain script, Lightning's ``ddp`` launcher starts the script again once per extra device
 (``devices=2``), over gloo on 127.0.0.1 with a free port. Every checkpoint gets one
-``<checkpoint>.gradshare-rank{r}.pt`` per rank (residuals, threshold state), and a fit resumed
+``<checkpoint>.gradshare-rank{r}.pt`` per rank (residuals, threshold state; with ``local``
+also the rank's own replica and optimizer state), and a fit resumed
 from it ends at the very parameters of the fit that was not interrupted.
 
 Batches are Lightning's: its ``DistributedSampler`` (seed 0, reshuffled every epoch, rank r
@@ -25,6 +28,7 @@ from __future__ import annotations
 import argparse
 import os
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 import torch
@@ -60,6 +64,8 @@ def bytes_sent(strategy: GradshareDDPStrategy, model: L.LightningModule) -> tupl
     """What this rank sent, and what the same steps take dense in float32."""
     if strategy.hook_state is not None:
         return strategy.hook_state.bytes_sent, strategy.hook_state.dense_bytes
+    if strategy.local_steps is not None:
+        return strategy.local_steps.bytes_sent, strategy.local_steps.dense_bytes
     opt = strategy.optimizers[0]
     assert isinstance(opt, SharedOptimizer)
     numel = sum(p.numel() for p in model.parameters())
@@ -74,9 +80,10 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=0.2)
     parser.add_argument("--threshold", type=float, default=1e-3, help="adaptive, initial value")
     parser.add_argument(
-        "--share", choices=["gradients", "updates"], default="gradients",
-        help="the DDP hook, or SharedOptimizer (the optimizer's updates)",
+        "--share", choices=["gradients", "updates", "local"], default="gradients",
+        help="the DDP hook, SharedOptimizer (the optimizer's updates), or LocalSteps",
     )  # fmt: skip
+    parser.add_argument("--sync-every", type=int, default=10, help="--share local: H")
     parser.add_argument("--checkpoint-dir", type=Path, help="save a checkpoint every epoch")
     parser.add_argument("--resume", type=Path, help="a checkpoint to resume the fit from")
     parser.add_argument("--out", type=Path, help="write the final flat parameters here")
@@ -87,9 +94,13 @@ def main() -> None:
     args = parser.parse_args()
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    if args.share == "local":  # LocalSteps' own threshold: a quantile of each sync's moves
+        sharing: dict[str, Any] = {"sync_every": args.sync_every}
+    else:
+        sharing = {"threshold": AdaptiveThreshold(args.threshold)}
     strategy = GradshareDDPStrategy(
         share=args.share,
-        threshold=AdaptiveThreshold(args.threshold),
+        **sharing,
         resume_without_rank_files=args.resume_without_rank_files,
         process_group_backend="gloo",
     )

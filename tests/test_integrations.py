@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -143,6 +144,28 @@ def _accelerate_run(tmp: Path) -> dict[str, Any]:
                 "oracle": oracle.result()}  # fmt: skip
 
 
+def _local_runs(tmp: Path, script: str, straight: list[str], resume: list[str]) -> dict[str, Any]:
+    """``--share local``: a run straight through, saving between two syncs (the replicas
+    differ), and the run resumed from that save in new processes."""
+    ckpt = tmp / "ckpt"
+    first = run_example(script, *straight, "--checkpoint-dir", ckpt, "--out", tmp / "straight.pt")
+    resumed = run_example(script, *resume, "--out", tmp / "resumed.pt")
+    return {"straight": first, "resumed": resumed, "ckpt": ckpt, "tmp": tmp}
+
+
+def _lightning_local(tmp: Path) -> dict[str, Any]:
+    epochs = ["--share", "local", "--sync-every", "2", "--steps-per-epoch", "3", "--epochs", "2"]
+    return _local_runs(
+        tmp, "lightning_ddp.py", epochs, [*epochs, "--resume", tmp / "ckpt" / "step=3.ckpt"]
+    )
+
+
+def _accelerate_local(tmp: Path) -> dict[str, Any]:
+    steps = ["--share", "local", "--sync-every", "4", "--steps", "26"]
+    return _local_runs(tmp, "accelerate_ddp.py", [*steps, "--save-at", "25"],
+                       [*steps, "--resume", tmp / "ckpt"])  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def runs(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
@@ -160,6 +183,14 @@ def runs(
         request, "test_resumed_run_matches_the_straight_run_and_plain_ddp"
     ):
         jobs["accelerate"] = partial(_accelerate_run, tmp_path_factory.mktemp("accelerate"))
+    if importlib.util.find_spec("lightning") is not None and selected(
+        request, "test_local_steps_resume_bit_for_bit"
+    ):
+        jobs["lightning-local"] = partial(_lightning_local, tmp_path_factory.mktemp("l-local"))
+    if importlib.util.find_spec("accelerate") is not None and selected(
+        request, "test_local_steps_resume_at_any_step"
+    ):
+        jobs["accelerate-local"] = partial(_accelerate_local, tmp_path_factory.mktemp("a-local"))
     with ThreadPoolExecutor(max(1, len(jobs))) as pool:
         yield {name: pool.submit(job) for name, job in jobs.items()}
 
@@ -184,6 +215,22 @@ class TestLightning:
         resumed = torch.load(run["tmp"] / "resumed.pt", weights_only=True)
         assert torch.equal(whole, resumed)
         assert torch.equal(whole, run["oracle"])
+
+    def test_local_steps_resume_bit_for_bit(self, runs: dict[str, Future[dict[str, Any]]]) -> None:
+        """``share="local"``: no all-reduce, LocalSteps syncs every 2 steps; saved at step 3,
+        between two syncs, each rank's own replica and optimizer state in its rank file."""
+        pytest.importorskip("lightning", reason=f"needs Lightning: {INSTALL}")
+        run = runs["lightning-local"].result()
+        assert re.search(r"step 6: rank 0 sent [\d,]+ B vs [\d,]+ B dense \(\d+x less\)",
+                         run["straight"].stdout), run["straight"].stdout  # fmt: skip
+        first = run["ckpt"] / "step=3.ckpt"
+        assert_rank_files([lightning_rank_file(first, r) for r in range(WORLD)])
+        files = [torch.load(lightning_rank_file(first, r), weights_only=True) for r in range(WORLD)]
+        mine = [f["state"]["local"]["params"] for f in files]
+        assert any(not torch.equal(a, b) for a, b in zip(*mine, strict=True))  # replicas differ
+        whole = torch.load(run["tmp"] / "straight.pt", weights_only=True)
+        resumed = torch.load(run["tmp"] / "resumed.pt", weights_only=True)
+        assert torch.equal(whole, resumed)
 
     def test_stale_and_plain_checkpoints(self, tmp_path: Path) -> None:
         """A rank file left from the save before was accepted (exit 0, other parameters); a
@@ -232,7 +279,7 @@ class TestLightning:
         pytest.importorskip("lightning", reason=f"needs Lightning: {INSTALL}")
         from gradshare.integrations import GradshareDDPStrategy
 
-        with pytest.raises(ValueError, match='Expect `share` "gradients" or "updates"'):
+        with pytest.raises(ValueError, match='"updates" or "local"'):
             GradshareDDPStrategy(share="weights")  # type: ignore[arg-type]
         with pytest.raises(ValueError, match="registers gradshare's hook itself"):
             GradshareDDPStrategy(ddp_comm_hook=lambda state, bucket: None)
@@ -261,6 +308,19 @@ class TestAccelerate:
         said = stale.stderr + stale.stdout  # accelerate shows one failed rank's error
         named = f"{accelerate_rank_file(ckpt, 1)} is from another save"
         assert named in said or "Rank(s) [1] could not load their gradshare" in said, said
+
+    def test_local_steps_resume_at_any_step(self, runs: dict[str, Future[dict[str, Any]]]) -> None:
+        """``--share local`` (no_sync, LocalSteps every 4 steps): saved at step 25, between
+        two syncs, resumed in new processes, it ends where the straight run ends."""
+        pytest.importorskip("accelerate", reason=f"needs accelerate: {INSTALL}")
+        run = runs["accelerate-local"].result()
+        assert re.search(r"step 26: rank 0 sent [\d,]+ B vs [\d,]+ B dense \(\d+x less\)",
+                         run["straight"].stdout), run["straight"].stdout  # fmt: skip
+        assert_rank_files([accelerate_rank_file(run["ckpt"], r) for r in range(WORLD)])
+        assert "resumed from step 25" in run["resumed"].stdout
+        whole = torch.load(run["tmp"] / "straight.pt", weights_only=True)
+        resumed = torch.load(run["tmp"] / "resumed.pt", weights_only=True)
+        assert torch.equal(whole, resumed)
 
 
 class _Counter:

@@ -7,13 +7,15 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
 
+import torch
 from lightning.pytorch.strategies import DDPStrategy
 from torch.nn.parallel import DistributedDataParallel
 
 from gradshare._checks import to_seconds
 from gradshare.distributed.ddp_hook import ThresholdHookState, register_threshold_hook
+from gradshare.distributed.local_steps import DEFAULT_DECAY, DEFAULT_DENSITY, LocalSteps
 from gradshare.distributed.metrics import warn_if_adaptive
-from gradshare.distributed.shared_optimizer import SharedOptimizer
+from gradshare.distributed.shared_optimizer import SharedOptimizer, _local_gradient_hook
 from gradshare.encoding.options import FIELDS, EncodingOptions, encoding_options
 from gradshare.integrations.rank_files import (
     SaveToken,
@@ -41,12 +43,18 @@ class GradshareDDPStrategy(DDPStrategy):
     - ``share="updates"``: the optimizer of ``configure_optimizers`` (one) is wrapped in
       :class:`gradshare.SharedOptimizer` with ``ddp=`` the DDP model: gradients stay local,
       the optimizer's updates (AdamW's, say) are shared. ``reduction="mean"`` by default, so
-      that plain SGD steps as under DDP with the same learning rate.
+      that plain SGD steps as under DDP with the same learning rate; or
+    - ``share="local"``: DDP's all-reduce is switched off (a comm hook that leaves every
+      gradient local) and :class:`gradshare.LocalSteps` over the LightningModule, with the
+      optimizer of ``configure_optimizers`` (one) as its inner optimizer, syncs the replicas
+      every ``sync_every`` steps (DiLoCo / SparseLoCo).
 
     Every checkpoint the trainer saves (``ModelCheckpoint``, ``trainer.save_checkpoint``) gets,
     beside it, one ``<checkpoint>.gradshare-rank{r}.pt`` per rank with that rank's residuals,
     threshold states and counters (the hook state, or the SharedOptimizer's whole
-    ``state_dict``, which Lightning's rank-0 checkpoint cannot hold for the other ranks);
+    ``state_dict``, or LocalSteps' state with the rank's own optimizer state and parameters,
+    since replicas differ between syncs: Lightning's rank-0 checkpoint cannot hold the other
+    ranks');
     ``trainer.fit(model, ckpt_path=...)`` loads each rank's file back, so a resumed fit
     continues bit for bit. Removing a checkpoint removes them too.
 
@@ -58,7 +66,10 @@ class GradshareDDPStrategy(DDPStrategy):
     is refused too, unless ``resume_without_rank_files=True``.
 
     Args:
-        share: ``"gradients"`` (the hook) or ``"updates"`` (SharedOptimizer).
+        share: ``"gradients"`` (the hook), ``"updates"`` (SharedOptimizer) or ``"local"``
+            (LocalSteps).
+        sync_every, density, decay, outer_optimizer: :class:`~gradshare.LocalSteps`'
+            (``share="local"``).
         start_iter, momentum: the hook's (:class:`~gradshare.ThresholdHookState`).
         options: the encoding settings (:class:`~gradshare.EncodingOptions`), or give its
             fields as keywords (``threshold``, ``post_processor``, ``boundary``,
@@ -80,12 +91,18 @@ class GradshareDDPStrategy(DDPStrategy):
         hook_state: the :class:`~gradshare.ThresholdHookState` of the current fit
             (``share="gradients"``; None before it). Its ``bytes_sent`` / ``dense_bytes``
             count what this rank sent.
+        local_steps: the :class:`~gradshare.LocalSteps` of the current fit (``share="local"``;
+            None before it), with its ``bytes_sent`` / ``dense_bytes`` and ``metrics()``.
     """
 
     def __init__(
         self,
         *,
-        share: Literal["gradients", "updates"] = "gradients",
+        share: Literal["gradients", "updates", "local"] = "gradients",
+        sync_every: int = 10,
+        density: float = DEFAULT_DENSITY,
+        decay: float = DEFAULT_DECAY,
+        outer_optimizer: Any = None,
         start_iter: int = 1,
         momentum: float = 0.0,
         gradshare_timeout: float | timedelta | None = None,
@@ -97,8 +114,8 @@ class GradshareDDPStrategy(DDPStrategy):
         if gradshare_timeout is not None:
             encoding["timeout"] = gradshare_timeout
         self.options = encoding_options(options, encoding, "GradshareDDPStrategy")
-        if share not in ("gradients", "updates"):
-            raise ValueError(f'Expect `share` "gradients" or "updates", got {share!r}.')
+        if share not in ("gradients", "updates", "local"):
+            raise ValueError(f'Expect `share` "gradients", "updates" or "local", got {share!r}.')
         if kwargs.get("ddp_comm_hook") is not None or kwargs.get("ddp_comm_state") is not None:
             raise ValueError(
                 "GradshareDDPStrategy registers gradshare's hook itself: leave out "
@@ -110,7 +127,14 @@ class GradshareDDPStrategy(DDPStrategy):
         self.share = share
         self.resume_without_rank_files = resume_without_rank_files
         self._hook_settings: dict[str, Any] = {"start_iter": start_iter, "momentum": momentum}
+        self._local_settings: dict[str, Any] = {
+            "sync_every": sync_every,
+            "density": density,
+            "decay": decay,
+            "outer_optimizer": outer_optimizer,
+        }
         self.hook_state: ThresholdHookState | None = None
+        self.local_steps: LocalSteps | None = None
         self._saved: dict[str, Any] | None = None
         """This rank's file of the checkpoint of ``trainer.fit(ckpt_path=...)``, read and
         agreed on by every rank when it is loaded, until the optimizers are restored."""
@@ -126,6 +150,8 @@ class GradshareDDPStrategy(DDPStrategy):
             self.hook_state = register_threshold_hook(
                 self.model, options=self.options, **self._hook_settings
             )
+        elif self.share == "local":
+            self.model.register_comm_hook(None, _local_gradient_hook)
         if self._saved is not None and self.hook_state is not None:
             self.hook_state.load_state_dict(self._saved["hook"])
 
@@ -134,13 +160,19 @@ class GradshareDDPStrategy(DDPStrategy):
         if self.share == "gradients":
             for opt in self.optimizers:
                 warn_if_adaptive(opt, "GradshareDDPStrategy(share='gradients')")
+        if self.share in ("updates", "local") and len(self.optimizers) != 1:
+            raise ValueError(
+                f"GradshareDDPStrategy(share={self.share!r}) needs one optimizer, "
+                f"`configure_optimizers` returned {len(self.optimizers)}: return one, or "
+                "share='gradients'."
+            )
+        if self.share == "local":
+            if self.local_steps is not None:
+                self.local_steps.close()
+            assert self.lightning_module is not None
+            self.local_steps = LocalSteps(self.lightning_module, self.optimizers[0],
+                                          options=self.options, **self._local_settings)  # fmt: skip
         if self.share == "updates":
-            if len(self.optimizers) != 1:
-                raise ValueError(
-                    "GradshareDDPStrategy(share='updates') shares one optimizer's updates, "
-                    f"`configure_optimizers` returned {len(self.optimizers)}: return one, or "
-                    "share='gradients'."
-                )
             assert isinstance(self.model, DistributedDataParallel)
             shared = SharedOptimizer(self.optimizers[0], ddp=self.model, options=self.options)
             self.optimizers = [shared]  # schedulers keep working: same param_groups
@@ -158,7 +190,7 @@ class GradshareDDPStrategy(DDPStrategy):
     ) -> None:
         """Every rank writes its own state beside ``filepath`` with this save's token; then
         rank 0 writes the checkpoint, with the token."""
-        if self.hook_state is not None or self._shared_optimizers():
+        if self.hook_state is not None or self._shared_optimizers() or self.local_steps:
             token = new_token(checkpoint.get("global_step", -1), timeout=self.options.timeout)
             path = lightning_rank_file(filepath, self.global_rank)
             save_rank_state(_RankFile(self), path, token=token)
@@ -191,9 +223,18 @@ class GradshareDDPStrategy(DDPStrategy):
         return checkpoint
 
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        """SharedOptimizers load this rank's own state (the checkpoint holds rank 0's)."""
+        """SharedOptimizers, and LocalSteps with its inner optimizer and the replica, load
+        this rank's own state (the checkpoint holds rank 0's)."""
         shared = self._shared_optimizers()
-        if shared and self._saved is not None:
+        local = self.local_steps
+        if local is not None and self._saved is not None:
+            saved = self._saved["local"]
+            local.load_state_dict(saved["state"])
+            local.inner.load_state_dict(saved["inner"])
+            with torch.no_grad():
+                for p, t in zip(local.params, saved["params"], strict=True):
+                    p.copy_(t)
+        elif shared and self._saved is not None:
             for opt, state in zip(shared, self._saved["optimizers"], strict=True):
                 opt.load_state_dict(state)
         elif shared and self._without_files:  # the wrapped optimizers' part of rank 0's
@@ -210,6 +251,8 @@ class GradshareDDPStrategy(DDPStrategy):
 
     def teardown(self) -> None:
         super().teardown()
+        if self.local_steps is not None:
+            self.local_steps.close()  # its counters stay readable
         self._saved = None  # a later run starts from its own checkpoint
         self._without_files = False
 
@@ -218,18 +261,26 @@ class GradshareDDPStrategy(DDPStrategy):
 
 
 class _RankFile:
-    """What one rank's file holds: the hook state and the SharedOptimizers' state dicts.
+    """What one rank's file holds: the hook state, the SharedOptimizers' state dicts, and
+    LocalSteps' state with its inner optimizer's and the replica's parameters.
     Loading keeps the file's content for the strategy to restore piece by piece."""
 
     def __init__(self, strategy: GradshareDDPStrategy) -> None:
         self.strategy = strategy
 
     def state_dict(self) -> dict[str, Any]:
-        hook = self.strategy.hook_state
+        hook, local = self.strategy.hook_state, self.strategy.local_steps
         return {
             "share": self.strategy.share,
             "hook": None if hook is None else hook.state_dict(),
             "optimizers": [opt.state_dict() for opt in self.strategy._shared_optimizers()],
+            "local": None
+            if local is None
+            else {
+                "state": local.state_dict(),
+                "inner": local.inner.state_dict(),
+                "params": [p.detach().clone() for p in local.params],
+            },
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
