@@ -1,0 +1,357 @@
+"""Local steps (DiLoCo / SparseLoCo) against every-step exchanges: quality per byte.
+
+Run (PYTHONPATH=src, or an installed checkout; ``OMP_NUM_THREADS=1`` is set for the ranks):
+
+  python bench/local_steps.py --workload gpt --steps 1000 --seeds 0 1 \\
+      --methods dense local-H10 diloco-dense shared-ddp postlocal \\
+      --out bench/results/local_steps_gpt1000.json
+  python bench/local_steps.py --workload gpt --steps 1000 --seeds 0 1 \\
+      --methods local-H10-d4-lr1.0 local-H10-d4-lr1.2 local-H10-d4-lr1.6 local-H10-d2 \\
+      --out bench/results/local_steps_gpt1000.json          (appends to the same file)
+  python bench/local_steps.py --workload gpt --steps 300 --seeds 0 1 --methods dense local-H10 \\
+      --out bench/results/local_steps_gpt300.json
+  python bench/local_steps.py --workload gpt --world 4 --steps 1000 --seeds 0 \\
+      --methods dense local-H10 --out bench/results/local_steps_gpt1000_w4.json
+  python bench/local_steps.py --workload cnn --seeds 0 1 --methods dense local-H10 \\
+      --out bench/results/local_steps_cnn.json
+  python bench/local_steps.py --report bench/results/local_steps_gpt1000.json   (table + plot)
+
+The workloads are ``bench/workloads.py``'s (imported, not copied): ``gpt`` (0.43M char-level
+GPT, AdamW, ``clip_grad_norm_(1.0)``, pydoc text; metric validation loss) and ``cnn`` (MNIST-5k,
+momentum SGD; metric test accuracy in points). ``--world`` gloo ranks on 127.0.0.1
+(``mp.spawn``); every method starts from the seed's weights and rank r draws the batches of
+generator ``1000 * seed + r``, so every method sees the same batches.
+
+Methods:
+
+* ``dense``: DDP, the baseline (4 bytes per element per step).
+* ``local-H{h}``: ``LocalSteps(model, opt, sync_every=h)`` with every default (what users
+  call); ``local-H{h}-d{pct}`` sets ``density=pct/100``; suffixes ``-lr{x}`` (outer SGD lr),
+  ``-b{x}`` (decay β) override one more default each.
+* ``diloco-dense`` / ``diloco-dense-H{h}``: ``LocalSteps(dense=True)`` with DiLoCo's outer
+  optimizer, Nesterov SGD lr 0.7 momentum 0.9 (H 10 unless given).
+* ``postlocal`` / ``postlocal-H{h}``: torch's ``PostLocalSGDOptimizer`` with a
+  ``PeriodicModelAverager(period=h, warmup_steps=0)`` on the plain (not DDP) model: every
+  ``h`` steps the parameters are all-reduced and averaged (dense model averaging; 4 bytes per
+  element per average; no DDP comm hook, whose intra-node subgroup would all-reduce every step
+  on one host).
+* ``shared-ddp``: ``SharedOptimizer(opt, threshold=QuantileThreshold(0.01), ddp=net)`` (as
+  ``bench/workloads.py``'s ``shared-ddp-1%``): the best every-step gradshare path.
+
+Bytes are what one rank sent (``bytes_sent`` of gradshare's objects; 4 per element and
+all-reduce for DDP and model averaging). ``compression`` = 4 x numel x steps / bytes (vs dense
+DDP over the same steps). gradshare sends 32 bits per entry (DL4J's format; plus per-tensor
+headers); ``x@14bit`` is what the same entries would give at SparseLoCo's 14 bits per entry
+(12-bit chunk index + 2-bit value): compression x 32 / 14, an upper bound (headers ignored).
+``identical``: the ranks' parameters are bit-identical at the end (all-gathered and compared).
+
+Results go to ``--out`` (JSON, written after every run, so a killed job keeps what it ran;
+runs of the same workload, world, steps, method and seed are replaced) and a Pareto plot,
+``<out>.png``: metric vs bytes per rank (log x). Runtime on 2 cores shared with other jobs
+(load ~9): gpt 1000 steps 2 ranks 150-300 s a run; cnn 625 steps ~15 s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import json
+import os
+import re
+import statistics
+import sys
+import time
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _env import environment, free_port
+from workloads import METHODS as EVERY_STEP
+from workloads import WORKLOADS, Data, _numel
+
+RESULTS = Path(__file__).resolve().parent / "results"
+DILOCO_LR, DILOCO_MOMENTUM = 0.7, 0.9
+METHOD = re.compile(
+    r"^(?P<kind>local|diloco-dense|postlocal)(-H(?P<h>\d+))?(-d(?P<pct>[\d.]+))?"
+    r"(-lr(?P<lr>[\d.]+))?(-b(?P<beta>[\d.]+))?$"
+)
+
+
+@dataclass
+class Method:
+    """A wrapped model: ``net`` for the forward pass, ``opt`` to step, ``sent()`` its bytes."""
+
+    net: nn.Module
+    opt: Any
+    sent: Callable[[], float]
+    close: Callable[[], None] = lambda: None
+
+
+def check_method(name: str) -> str:
+    if name in ("dense", "shared-ddp") or METHOD.match(name):
+        return name
+    raise argparse.ArgumentTypeError(f"unknown method {name!r}")
+
+
+def build(name: str, model: nn.Module, opt: torch.optim.Optimizer, steps: int) -> Method:
+    if name in ("dense", "shared-ddp"):
+        setup = EVERY_STEP["dense" if name == "dense" else "shared-ddp-1%"](model, opt)
+        return Method(setup.net, setup.opt, lambda: setup.sent(steps))
+    m = METHOD.match(name)
+    assert m is not None
+    h = int(m["h"] or 10)
+    if m["kind"] == "postlocal":
+        from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+        from torch.distributed.optim import PostLocalSGDOptimizer
+
+        post = PostLocalSGDOptimizer(opt, PeriodicModelAverager(period=h, warmup_steps=0))
+        return Method(model, post, lambda: 4.0 * _numel(model) * (steps // h))
+    import gradshare
+
+    kwargs: dict[str, Any] = {}
+    if m["kind"] == "diloco-dense":
+        kwargs = {"dense": True, "outer_optimizer": lambda p: torch.optim.SGD(
+            p, lr=DILOCO_LR, momentum=DILOCO_MOMENTUM, nesterov=True)}  # fmt: skip
+    else:
+        if m["pct"]:
+            kwargs["density"] = float(m["pct"]) / 100
+        if m["lr"]:
+            lr = float(m["lr"])
+            kwargs["outer_optimizer"] = lambda p: torch.optim.SGD(p, lr=lr)
+        if m["beta"]:
+            kwargs["decay"] = float(m["beta"])
+    sync = gradshare.LocalSteps(model, opt, sync_every=h, **kwargs)
+    return Method(model, opt, lambda: float(sync.bytes_sent), sync.close)
+
+
+def _identical(model: nn.Module, world: int) -> bool:
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    every = [torch.empty_like(flat) for _ in range(world)]
+    dist.all_gather(every, flat)
+    return all(torch.equal(every[0], f) for f in every[1:])
+
+
+def _run(workload: str, method: str, rank: int, world: int, seed: int, steps: int,
+         data: Data) -> dict:  # fmt: skip
+    w = WORKLOADS[workload]
+    model = w.build(data, seed)
+    setup = build(method, model, w.optimizer(list(model.parameters())), steps)
+    g = torch.Generator().manual_seed(1000 * seed + rank)
+    load, start = os.getloadavg()[0], time.perf_counter()
+    for _ in range(steps):
+        x, y = w.batch(data, g)
+        setup.opt.zero_grad()
+        w.loss(setup.net(x), y).backward()
+        if w.clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), w.clip)
+        setup.opt.step()
+    seconds = time.perf_counter() - start
+    setup.close()
+    identical = _identical(model, world)
+    crc = zlib.crc32(torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+                     .numpy().tobytes())  # fmt: skip
+    return {"workload": workload, "world": world, "steps": steps, "method": method, "seed": seed,
+            "metric": w.evaluate(model, data), "bytes": setup.sent(),
+            "dense": 4.0 * _numel(model) * steps, "numel": _numel(model), "identical": identical,
+            "crc32": crc, "seconds": seconds, "load_start": load,
+            "load_end": os.getloadavg()[0]}  # fmt: skip
+
+
+def _key(r: dict) -> tuple:
+    return (r["workload"], r["world"], r["steps"], r["method"], r["seed"])
+
+
+def save(out: Path, runs: list[dict], command: str) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.with_suffix(".lock"), "w") as lock:  # jobs may share an --out
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        _save(out, runs, command)
+
+
+def _save(out: Path, runs: list[dict], command: str) -> None:
+    old = json.loads(out.read_text()) if out.exists() else {"runs": [], "commands": []}
+    new = {_key(r) for r in runs}
+    merged = [r for r in old["runs"] if _key(r) not in new] + runs
+    commands = old.get("commands", [])
+    if command not in commands:
+        commands.append(command)
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"environment": environment(), "commands": commands,
+                               "runs": merged}, indent=1))  # fmt: skip
+    tmp.replace(out)
+
+
+def _rank(rank: int, world: int, port: int, workload: str, methods: list[str], seeds: list[int],
+          steps: int, out: str, command: str) -> None:  # fmt: skip
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    data = WORKLOADS[workload].load()
+    for seed in seeds:
+        for method in methods:
+            run = _run(workload, method, rank, world, seed, steps, data)
+            if rank == 0:
+                save(Path(out), [run], command)
+                print(f"{workload} w{world} {steps} steps seed {seed} {method}: metric "
+                      f"{run['metric']:.4f} bytes {run['bytes']:,.0f} "
+                      f"({run['dense'] / run['bytes']:.1f}x) identical {run['identical']} "
+                      f"{run['seconds']:.0f} s load {run['load_start']:.1f}",
+                      flush=True)  # fmt: skip
+    dist.destroy_process_group()
+
+
+# --- report ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Row:
+    workload: str
+    world: int
+    steps: int
+    method: str
+    metric_mean: float
+    metric_sd: float
+    vs_dense: float | None
+    """metric mean / dense's (loss: lower is better) or metric - dense's (accuracy, points)."""
+    bytes_per_rank: float
+    compression: float
+    compression_14bit: float | None
+    identical: bool
+    seconds: float
+    load: float
+    seeds: list[int]
+
+
+def rows(runs: list[dict]) -> list[Row]:
+    out = []
+    for cfg in sorted({(r["workload"], r["world"], r["steps"]) for r in runs}):
+        mine = [r for r in runs if (r["workload"], r["world"], r["steps"]) == cfg]
+        methods = list(dict.fromkeys(r["method"] for r in mine))
+        dense = [r["metric"] for r in mine if r["method"] == "dense"]
+        for m in methods:
+            rs = sorted((r for r in mine if r["method"] == m), key=lambda r: r["seed"])
+            vals = [r["metric"] for r in rs]
+            mean = statistics.mean(vals)
+            vs = None
+            if dense:
+                # compare against dense over the same seeds when they ran
+                d = [r["metric"] for r in mine if r["method"] == "dense"
+                     and r["seed"] in {x["seed"] for x in rs}] or dense  # fmt: skip
+                higher = WORKLOADS[cfg[0]].higher_is_better
+                vs = mean - statistics.mean(d) if higher else mean / statistics.mean(d)
+            sent = statistics.mean(r["bytes"] for r in rs)
+            comp = statistics.mean(r["dense"] for r in rs) / sent
+            gradshare = m.startswith(("local", "shared"))
+            out.append(Row(*cfg, m, mean, statistics.stdev(vals) if len(vals) > 1 else 0.0, vs,
+                           sent, comp, comp * 32 / 14 if gradshare else None,
+                           all(r["identical"] for r in rs),
+                           statistics.mean(r["seconds"] for r in rs),
+                           statistics.mean(r["load_start"] for r in rs),
+                           [r["seed"] for r in rs]))  # fmt: skip
+    return out
+
+
+def table(rs: list[Row]) -> str:
+    lines = []
+    for cfg in dict.fromkeys((r.workload, r.world, r.steps) for r in rs):
+        w = WORKLOADS[cfg[0]]
+        vs = "- dense (pts)" if w.higher_is_better else "/ dense"
+        lines.append(f"\n{cfg[0]}: {w.title}, {cfg[1]} ranks, {cfg[2]} steps")
+        lines.append(f"{'method':<22} {w.metric:>24} {vs:>13} {'bytes/rank':>14} {'compr.':>8} "
+                     f"{'x@14bit':>8} {'ident.':>6} {'s/run':>6} {'load':>5} seeds")  # fmt: skip
+        for r in (r for r in rs if (r.workload, r.world, r.steps) == cfg):
+            v = "-" if r.vs_dense is None else (f"{r.vs_dense:+.2f}" if w.higher_is_better
+                                                else f"{r.vs_dense:.4f}")  # fmt: skip
+            c14 = "-" if r.compression_14bit is None else f"{r.compression_14bit:.0f}x"
+            lines.append(f"{r.method:<22} {r.metric_mean:>15.4f} ± {r.metric_sd:.4f} {v:>13} "
+                         f"{r.bytes_per_rank:>14,.0f} {r.compression:>7.1f}x {c14:>8} "
+                         f"{r.identical!s:>6} {r.seconds:>6.0f} {r.load:>5.1f} "
+                         f"{','.join(map(str, r.seeds))}")  # fmt: skip
+    return "\n".join(lines)
+
+
+COLOURS = {"dense": ("DDP (dense)", "black", "o"), "local": ("LocalSteps", "tab:blue", "^"),
+           "diloco": ("LocalSteps dense, Nesterov 0.7/0.9", "tab:purple", "v"),
+           "postlocal": ("torch PostLocalSGD", "tab:orange", "s"),
+           "shared": ("SharedOptimizer(ddp) 1%", "tab:green", "D")}  # fmt: skip
+
+
+def plot(rs: list[Row], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cfgs = list(dict.fromkeys((r.workload, r.world, r.steps) for r in rs))
+    fig, axes = plt.subplots(1, len(cfgs), figsize=(8 * len(cfgs), 5.5), squeeze=False)
+    for ax, cfg in zip(axes[0], cfgs, strict=True):
+        w = WORKLOADS[cfg[0]]
+        labelled = set()
+        for r in (r for r in rs if (r.workload, r.world, r.steps) == cfg):
+            label, colour, marker = COLOURS[r.method.split("-")[0]]
+            ax.errorbar(r.bytes_per_rank, r.metric_mean, yerr=r.metric_sd, fmt=marker,
+                        color=colour, capsize=3,
+                        label=None if label in labelled else label)  # fmt: skip
+            labelled.add(label)
+            ax.annotate(r.method, (r.bytes_per_rank, r.metric_mean), fontsize=7, xytext=(4, 3),
+                        textcoords="offset points")  # fmt: skip
+            if r.method == "dense":
+                ax.axhline(r.metric_mean, color="grey", linestyle="--", linewidth=1)
+                if not w.higher_is_better:
+                    ax.axhline(r.metric_mean * 1.02, color="red", linestyle=":", linewidth=1,
+                               label="dense + 2%")  # fmt: skip
+        ax.set_xscale("log")
+        better = "higher" if w.higher_is_better else "lower"
+        ax.set(xlabel="bytes sent by one rank, whole run (log)",
+               ylabel=f"{w.metric}, mean ± sd ({better} is better)",
+               title=f"{w.title}\n{cfg[1]} ranks, {cfg[2]} steps")  # fmt: skip
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def report(paths: list[Path]) -> list[Row]:
+    runs = [r for p in paths for r in json.loads(p.read_text())["runs"]]
+    rs = rows(runs)
+    print(table(rs))
+    for p in paths:
+        plot(rows(json.loads(p.read_text())["runs"]), p.with_suffix(".png"))
+    return rs
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workload", choices=["gpt", "cnn"], default="gpt")
+    parser.add_argument("--methods", nargs="+", type=check_method,
+                        default=["dense", "local-H10", "diloco-dense", "shared-ddp"])  # fmt: skip
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--steps", type=int, help="default: the workload's (gpt 300, cnn 625)")
+    parser.add_argument("--world", type=int, default=2, help="ranks (gloo, one host)")
+    parser.add_argument("--out", type=Path, default=RESULTS / "local_steps.json")
+    parser.add_argument("--report", type=Path, nargs="+", metavar="JSON",
+                        help="print the tables of these result files and redraw their plots; "
+                        "run nothing")  # fmt: skip
+    args = parser.parse_args(argv)
+    if args.report:
+        report(args.report)
+        return
+    steps = args.steps or WORKLOADS[args.workload].steps
+    command = "python bench/local_steps.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    os.environ["OMP_NUM_THREADS"] = "1"
+    mp.spawn(_rank, args=(args.world, free_port(), args.workload, args.methods, args.seeds, steps,
+                          str(args.out), command), nprocs=args.world)  # fmt: skip
+    report([args.out])
+    print(f"\nsaved {args.out} and {args.out.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()
