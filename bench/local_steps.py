@@ -27,7 +27,9 @@ Methods:
 * ``dense``: DDP, the baseline (4 bytes per element per step).
 * ``local-H{h}``: ``LocalSteps(model, opt, sync_every=h)`` with every default (what users
   call); ``local-H{h}-d{pct}`` sets ``density=pct/100``; suffixes ``-lr{x}`` (outer SGD lr),
-  ``-b{x}`` (decay β) override one more default each.
+  ``-b{x}`` (decay β) override one more default each, ``-mean`` sets ``magnitude="mean"``
+  (each sent entry carries the mean magnitude of what its tensor sends, not the threshold),
+  ``-nesterov`` makes the outer SGD DiLoCo's Nesterov momentum 0.9 (lr 0.7 unless ``-lr``).
 * ``diloco-dense`` / ``diloco-dense-H{h}``: ``LocalSteps(dense=True)`` with DiLoCo's outer
   optimizer, Nesterov SGD lr 0.7 momentum 0.9 (H 10 unless given).
 * ``postlocal`` / ``postlocal-H{h}``: torch's ``PostLocalSGDOptimizer`` with a
@@ -81,7 +83,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 DILOCO_LR, DILOCO_MOMENTUM = 0.7, 0.9
 METHOD = re.compile(
     r"^(?P<kind>local|diloco-dense|postlocal)(-H(?P<h>\d+))?(-d(?P<pct>[\d.]+))?"
-    r"(-lr(?P<lr>[\d.]+))?(-b(?P<beta>[\d.]+))?$"
+    r"(-lr(?P<lr>[\d.]+))?(-b(?P<beta>[\d.]+))?(?P<mean>-mean)?(?P<nesterov>-nesterov)?$"
 )
 
 
@@ -123,11 +125,16 @@ def build(name: str, model: nn.Module, opt: torch.optim.Optimizer, steps: int) -
     else:
         if m["pct"]:
             kwargs["density"] = float(m["pct"]) / 100
-        if m["lr"]:
-            lr = float(m["lr"])
+        lr = float(m["lr"]) if m["lr"] else None
+        if m["nesterov"]:
+            kwargs["outer_optimizer"] = lambda p: torch.optim.SGD(
+                p, lr=lr or DILOCO_LR, momentum=DILOCO_MOMENTUM, nesterov=True)  # fmt: skip
+        elif lr is not None:
             kwargs["outer_optimizer"] = lambda p: torch.optim.SGD(p, lr=lr)
         if m["beta"]:
             kwargs["decay"] = float(m["beta"])
+        if m["mean"]:
+            kwargs["magnitude"] = "mean"
     sync = gradshare.LocalSteps(model, opt, sync_every=h, **kwargs)
     return Method(model, opt, lambda: float(sync.bytes_sent), sync.close)
 
