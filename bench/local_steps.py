@@ -95,6 +95,8 @@ class Method:
     opt: Any
     sent: Callable[[], float]
     close: Callable[[], None] = lambda: None
+    settings: dict[str, Any] | None = None
+    """LocalSteps' resolved settings (density, decay, outer optimizer) for the record."""
 
 
 def check_method(name: str) -> str:
@@ -136,7 +138,11 @@ def build(name: str, model: nn.Module, opt: torch.optim.Optimizer, steps: int) -
         if m["mean"]:
             kwargs["magnitude"] = "mean"
     sync = gradshare.LocalSteps(model, opt, sync_every=h, **kwargs)
-    return Method(model, opt, lambda: float(sync.bytes_sent), sync.close)
+    outer = sync.outer.param_groups[0]
+    settings = {"sync_every": h, "density": sync.density, "decay": sync.decay,
+                "magnitude": sync.magnitude, "outer": type(sync.outer).__name__,
+                "outer_lr": outer["lr"], "outer_momentum": outer.get("momentum", 0.0)}  # fmt: skip
+    return Method(model, opt, lambda: float(sync.bytes_sent), sync.close, settings)
 
 
 def _identical(model: nn.Module, world: int) -> bool:
@@ -168,7 +174,7 @@ def _run(workload: str, method: str, rank: int, world: int, seed: int, steps: in
     return {"workload": workload, "world": world, "steps": steps, "method": method, "seed": seed,
             "metric": w.evaluate(model, data), "bytes": setup.sent(),
             "dense": 4.0 * _numel(model) * steps, "numel": _numel(model), "identical": identical,
-            "crc32": crc, "seconds": seconds, "load_start": load,
+            "crc32": crc, "local_steps": setup.settings, "seconds": seconds, "load_start": load,
             "load_end": os.getloadavg()[0]}  # fmt: skip
 
 
