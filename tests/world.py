@@ -11,6 +11,10 @@ torch and gradshare: each call runs ``fn`` on every rank of the same processes a
 group, with the environment and torch's thread count as the rank started. A world whose call
 did not end cleanly on every rank (an error, a killed or hung rank) is ended, and the next
 call gets a fresh one.
+
+Ranks start from a forkserver that has imported torch and gradshare once (a fork of a
+process that ran no torch op and started no thread), not each from nothing as the "spawn"
+method does: a rank is then ready in a fraction of a second, not two.
 """
 
 from __future__ import annotations
@@ -33,6 +37,15 @@ import torch.multiprocessing as mp
 
 if TYPE_CHECKING:  # the ranks import this module: not pytest too
     import pytest
+
+_PRELOAD = ["torch", "torch.distributed", "gradshare", "gradshare.distributed", "world"]
+
+
+def _context() -> Any:
+    """The start method of every rank: a forkserver with :data:`_PRELOAD` imported."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
 
 
 @dataclass
@@ -80,7 +93,7 @@ def spawn(
     fn: Callable[..., Any], world: int, *args: Any, timeout: float = 90, pg_timeout: float = 60
 ) -> list[RankResult]:
     """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; return one result per rank."""
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     with tempfile.TemporaryDirectory() as tmp:
         procs = [
             ctx.Process(target=_entry, args=(fn, r, world, tmp, args, pg_timeout), daemon=True)
@@ -143,7 +156,7 @@ class _World:
     """``world`` live ranks serving jobs; see :func:`pooled`."""
 
     def __init__(self, world: int, pg_timeout: float) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         self.world = world
         self.tmp = tempfile.TemporaryDirectory()
         self.jobs = itertools.count()
