@@ -4,8 +4,8 @@ Every ```python block runs; its first line says how:
 
 - ``# runs on 2 ranks``: a whole torchrun script. It runs in two processes given torchrun's
   environment (``RANK``, ``WORLD_SIZE=2``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE=2``,
-  ``MASTER_ADDR=127.0.0.1``, ``MASTER_PORT`` a free port of its own) and calls
-  ``init_process_group("gloo")`` itself, as a script would.
+  ``MASTER_ADDR=127.0.0.1``, ``MASTER_PORT`` a free port of its own, found by rank 0 right
+  before the block) and calls ``init_process_group("gloo")`` itself, as a script would.
 - ``# fixture: NAME``: a deliberately partial block. ``FIXTURES[NAME]`` runs first, in the
   same namespace, and defines what the block uses; ``FIXTURE_RANKS[NAME]`` says on how many
   ranks (a fixture for 2 starts the process group itself).
@@ -125,9 +125,9 @@ def _worker(spec_path: str, role: str) -> None:
     torch.set_num_threads(1)
     spec = json.loads(Path(spec_path).read_text())
     out = Path(spec_path).with_name(f"{role}.jsonl")
-    for item in spec[role]:
-        if "port" in item:
-            os.environ["MASTER_PORT"] = str(item["port"])
+    for n, item in enumerate(spec[role]):
+        if role != "solo":
+            os.environ["MASTER_PORT"] = str(_block_port(Path(spec_path).parent, n, role))
         namespace: dict[str, Any] = {"__name__": "__main__"}
         try:
             if item["fixture"] is not None:
@@ -146,14 +146,24 @@ def _worker(spec_path: str, role: str) -> None:
     os._exit(0)
 
 
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
+def _block_port(folder: Path, n: int, role: str) -> int:
+    """The port of the ``n``-th 2-rank block: rank 0 finds a free one right before the block
+    and hands it to rank 1 in a file (ports found long before, all at once, could be taken by
+    then by another test's store, which the ranks would join and wait in)."""
+    path = folder / f"port-{n}"
+    if role == "rank0":
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        path.with_suffix(".tmp").write_text(str(port))
+        path.with_suffix(".tmp").replace(path)
+        return port
+    deadline = time.monotonic() + TIMEOUT_S
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank 0 never reached block {n}")
+        time.sleep(0.01)
+    return int(path.read_text())
 
 
 @pytest.fixture(scope="module")
@@ -161,11 +171,10 @@ def results() -> dict[str, dict[str, str | None]]:
     """Run every block; ``{where: {role: traceback or None}}`` for the roles that ran it."""
     solo = [b for b in BLOCKS if b.ranks == 1]
     pair = [b for b in BLOCKS if b.ranks == 2]
-    ports = _free_ports(len(pair))
     spec = {
         "solo": [asdict(b) for b in solo],
-        "rank0": [{**asdict(b), "port": p} for b, p in zip(pair, ports, strict=True)],
-        "rank1": [{**asdict(b), "port": p} for b, p in zip(pair, ports, strict=True)],
+        "rank0": [asdict(b) for b in pair],
+        "rank1": [asdict(b) for b in pair],
     }
     with tempfile.TemporaryDirectory() as tmp:
         spec_path = Path(tmp) / "spec.json"

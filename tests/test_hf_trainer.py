@@ -3,13 +3,15 @@
 Each path trains the tiny GPT-2 of ``examples/hf_trainer.py`` on 2 processes for 10 steps,
 saving at step 5, then resumes from ``checkpoint-5`` with a fresh model and Trainer and must
 end at the same parameters, bit for bit; every run checks its replicas are bit-identical and
-that gradshare's metrics reached ``trainer.state.log_history``. One path also resumes in new
-processes.
+that gradshare's metrics reached ``trainer.state.log_history``. One path (``local``) also
+resumes from its ``checkpoint-5`` in new processes.
 """
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -25,13 +27,32 @@ def _torch_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GRADSHARE_KERNELS", "0")
 
 
-@pytest.mark.parametrize("share", ["hook", "updates", "local"])
-def test_replicas_agree_and_the_resume_holds(tmp_path: Path, share: str) -> None:
-    pytest.importorskip("transformers", reason=f"needs transformers: {INSTALL}")
-    run = run_example(
+def _check_resume(tmp: Path, share: str) -> subprocess.CompletedProcess[str]:
+    """Straight through, saving at step 5 (parameters into ``tmp/straight.pt``), then
+    resumed from ``tmp/out/checkpoint-5`` in the same processes."""
+    return run_example(
         "hf_trainer.py", "--share", share, *STEPS, "--check-resume", "5",
-        "--output-dir", tmp_path / "out",
+        "--output-dir", tmp / "out", "--out", tmp / "straight.pt",
     )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def local_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
+    """The ``local`` path's run, shared by both tests below that need it."""
+    pytest.importorskip("transformers", reason=f"needs transformers: {INSTALL}")
+    tmp = tmp_path_factory.mktemp("local")
+    return tmp, _check_resume(tmp, "local")
+
+
+@pytest.mark.parametrize("share", ["hook", "updates", "local"])
+def test_replicas_agree_and_the_resume_holds(
+    tmp_path: Path, share: str, request: pytest.FixtureRequest
+) -> None:
+    pytest.importorskip("transformers", reason=f"needs transformers: {INSTALL}")
+    if share == "local":
+        tmp_path, run = request.getfixturevalue("local_run")
+    else:
+        run = _check_resume(tmp_path, share)
     assert "resumed from step 5: the same parameters, bit for bit" in run.stdout, run.stdout
     assert "logged: bytes_sent, compression, density, threshold" in run.stdout
     assert run.stdout.strip().splitlines()[-1].startswith("step 10: rank 0 sent ")
@@ -42,17 +63,15 @@ def test_replicas_agree_and_the_resume_holds(tmp_path: Path, share: str) -> None
     ]  # fmt: skip
 
 
-def test_resume_in_new_processes(tmp_path: Path) -> None:
+def test_resume_in_new_processes(tmp_path: Path, local_run: tuple[Path, Any]) -> None:
     """Local steps carry the most per-rank state (each replica, its AdamW moments, the
-    residuals and the global copy): a resume in new processes ends where the straight run
-    (of the test above) ends."""
-    pytest.importorskip("transformers", reason=f"needs transformers: {INSTALL}")
-    out = tmp_path / "out"
-    common = ["--share", "local", *STEPS, "--output-dir", out]
-    run_example("hf_trainer.py", *common, "--save-steps", "5", "--out", tmp_path / "straight.pt")
+    residuals and the global copy): a resume in new processes, from the ``local`` run's
+    ``checkpoint-5``, ends where that run went straight through."""
+    straight, _ = local_run
     resumed = run_example(
-        "hf_trainer.py", *common, "--resume", out / "checkpoint-5", "--out", tmp_path / "r.pt"
-    )
+        "hf_trainer.py", "--share", "local", *STEPS, "--output-dir", tmp_path / "out",
+        "--resume", straight / "out" / "checkpoint-5", "--out", tmp_path / "r.pt",
+    )  # fmt: skip
     assert "step 10: rank 0 sent" in resumed.stdout
-    whole = torch.load(tmp_path / "straight.pt", weights_only=True)
+    whole = torch.load(straight / "straight.pt", weights_only=True)
     assert torch.equal(whole, torch.load(tmp_path / "r.pt", weights_only=True))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -176,8 +177,15 @@ def runs(
     runs; any failure of theirs is raised there."""
     jobs: dict[str, Callable[[], dict[str, Any]]] = {}
     if importlib.util.find_spec("lightning") is not None:
-        for params in selected(request, "test_resumed_fit_matches_the_straight_fit_and_plain_ddp"):
-            share = params["share"]
+        shares = {
+            params["share"]
+            for params in selected(
+                request, "test_resumed_fit_matches_the_straight_fit_and_plain_ddp"
+            )
+        }
+        if selected(request, "test_stale_and_plain_checkpoints"):
+            shares.add("gradients")  # its checkpoint, copied, is that test's to spoil
+        for share in sorted(shares):
             jobs[share] = partial(_lightning_fit, tmp_path_factory.mktemp(share), share)
     if importlib.util.find_spec("accelerate") is not None and selected(
         request, "test_resumed_run_matches_the_straight_run_and_plain_ddp"
@@ -232,20 +240,23 @@ class TestLightning:
         resumed = torch.load(run["tmp"] / "resumed.pt", weights_only=True)
         assert torch.equal(whole, resumed)
 
-    def test_stale_and_plain_checkpoints(self, tmp_path: Path) -> None:
+    def test_stale_and_plain_checkpoints(
+        self, runs: dict[str, Future[dict[str, Any]]], tmp_path: Path
+    ) -> None:
         """A rank file left from the save before was accepted (exit 0, other parameters); a
         checkpoint of plain "ddp" (no rank files) could not be resumed at all: now refused,
-        unless ``resume_without_rank_files=True``."""
+        unless ``resume_without_rank_files=True``. On a copy of the ``[gradients]`` fit's
+        first checkpoint (step 3, the end of its first epoch)."""
         pytest.importorskip("lightning", reason=f"needs Lightning: {INSTALL}")
         ckpt = tmp_path / "ckpt"
-        epochs = ["--steps-per-epoch", "2", "--epochs", "1"]
-        run_example("lightning_ddp.py", *epochs, "--checkpoint-dir", ckpt)
-        saved = ckpt / "step=2.ckpt"
-        assert torch.load(saved, weights_only=False)["gradshare"]["step"] == 2
+        shutil.copytree(runs["gradients"].result()["ckpt"], ckpt, symlinks=True)
+        epochs = ["--share", "gradients", "--steps-per-epoch", "3", "--epochs", "2"]
+        saved = ckpt / "step=3.ckpt"
+        assert torch.load(saved, weights_only=False)["gradshare"]["step"] == 3
         make_stale(lightning_rank_file(saved, 1))
         stale = run_example("lightning_ddp.py", *epochs, "--resume", saved, fails=True)
         assert f"{lightning_rank_file(saved, 1)} is from another save" in stale.stderr
-        assert "the file is of step 1, the checkpoint of step 2" in stale.stderr
+        assert "the file is of step 2, the checkpoint of step 3" in stale.stderr
 
         checkpoint = torch.load(saved, weights_only=False)
         del checkpoint["gradshare"]
@@ -255,10 +266,9 @@ class TestLightning:
         plain = run_example("lightning_ddp.py", *epochs, "--resume", saved, fails=True)
         assert "resume_without_rank_files=True" in plain.stderr
         resumed = run_example(
-            "lightning_ddp.py", "--steps-per-epoch", "2", "--epochs", "2", "--resume", saved,
-            "--resume-without-rank-files",
-        )  # fmt: skip
-        assert "step 4:" in resumed.stdout
+            "lightning_ddp.py", *epochs, "--resume", saved, "--resume-without-rank-files"
+        )
+        assert "step 6:" in resumed.stdout
 
     def test_process_group_timeout_follows_gradshare_timeout(self) -> None:
         """Lightning broadcasts on the default group every step, under DDPStrategy's timeout

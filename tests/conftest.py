@@ -1,0 +1,49 @@
+"""Before any test: numba's disk cache of gradshare's kernels is filled once.
+
+numba compiles a kernel on its first call in a process and caches it on disk. In a fresh
+clone the cache is empty, so every rank, example and launch the tests start early on would
+compile the same kernels at once (~38 s of CPU for all of them, per process). The main pytest
+process (not the xdist workers) runs every codec step once in two processes side by side, the
+parallel kernels in one and their serial twins in the other, and waits for both.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+_WARM = """
+import sys
+sys.path.insert(0, {here!r})
+from codec_steps import run_steps
+from gradshare.codec._dispatch import serial_kernels
+if sys.argv[1] == "serial":
+    with serial_kernels():
+        run_steps()
+else:
+    run_steps()
+"""
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if hasattr(config, "workerinput") or os.environ.get("GRADSHARE_KERNELS") == "0":
+        return  # a worker (the main process warmed the cache), or no kernels at all
+    code = _WARM.format(here=str(HERE))
+    threads = {"parallel": "2", "serial": "1"}  # kernel threads: 2 wakes the parallel kernels
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, kind],
+            env={**os.environ, "GRADSHARE_NUM_THREADS": n, "OMP_NUM_THREADS": "1"},
+            stderr=subprocess.PIPE,
+        )
+        for kind, n in threads.items()
+    ]
+    for proc in procs:
+        _, err = proc.communicate(timeout=300)
+        if proc.returncode != 0:  # the kernel tests will say what is wrong
+            sys.stderr.write(f"warming numba's cache failed:\n{err.decode()[-2000:]}\n")
