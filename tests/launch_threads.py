@@ -1,8 +1,11 @@
 """A rank of a default launch (mp.spawn as in PyTorch's DDP tutorial, or torchrun) that reports
 the thread counts gradshare's kernels and torch use; the test asserts on them.
 
-    python tests/launch_threads.py spawn OUT_DIR {shared,hook}
-    torchrun --standalone --nproc_per_node=2 tests/launch_threads.py torchrun OUT_DIR {shared,hook}
+    python tests/launch_threads.py spawn OUT_DIR shared,hook
+    torchrun --standalone --nproc_per_node=2 tests/launch_threads.py torchrun OUT_DIR shared,hook
+
+Each mode (SharedOptimizer, the DDP hook) runs in turn in the same ranks and writes
+``OUT_DIR/rank{r}-{mode}.json``.
 """
 
 from __future__ import annotations
@@ -23,44 +26,46 @@ import gradshare
 from gradshare.codec import threads
 
 
-def run(rank: int, world: int, out: str, mode: str) -> None:
+def run(rank: int, world: int, out: str, modes: str) -> None:
+    """Each of ``modes`` (comma-separated) in turn, in this one process: a report per mode."""
     torch_before = torch.get_num_threads()
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 10))  # 137k parameters
-    if mode == "hook":
-        model = DDP(model)
-        gradshare.register_threshold_hook(model)
-        opt: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    else:
-        opt = gradshare.SharedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
-    for step in range(4):
-        opt.zero_grad()
-        x = torch.randn(32, 256, generator=torch.Generator().manual_seed(step * world + rank))
-        model(x).square().mean().backward()
-        opt.step()
-    parallel = sys.modules.get("numba.np.ufunc.parallel")
-    report = {
-        "kernel_threads": threads.kernel_threads(),
-        "torch_before": torch_before,
-        "torch_after": torch.get_num_threads(),
-        "pool_started": bool(parallel is not None and parallel._is_initialized),
-        "cpus": len(os.sched_getaffinity(0)),
-    }
-    Path(out, f"rank{rank}.json").write_text(json.dumps(report))
+    for mode in modes.split(","):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 10))  # 137k
+        if mode == "hook":
+            model = DDP(model)
+            gradshare.register_threshold_hook(model)
+            opt: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        else:
+            opt = gradshare.SharedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+        for step in range(4):
+            opt.zero_grad()
+            x = torch.randn(32, 256, generator=torch.Generator().manual_seed(step * world + rank))
+            model(x).square().mean().backward()
+            opt.step()
+        parallel = sys.modules.get("numba.np.ufunc.parallel")
+        report = {
+            "kernel_threads": threads.kernel_threads(),
+            "torch_before": torch_before,
+            "torch_after": torch.get_num_threads(),
+            "pool_started": bool(parallel is not None and parallel._is_initialized),
+            "cpus": len(os.sched_getaffinity(0)),
+        }
+        Path(out, f"rank{rank}-{mode}.json").write_text(json.dumps(report))
     dist.destroy_process_group()
 
 
 def main() -> None:
-    launch, out, mode = sys.argv[1:4]
+    launch, out, modes = sys.argv[1:4]
     if launch == "torchrun":
-        run(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), out, mode)
+        run(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), out, modes)
         return
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    mp.spawn(run, args=(2, out, mode), nprocs=2, join=True)
+    mp.spawn(run, args=(2, out, modes), nprocs=2, join=True)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import pickle
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -51,10 +52,12 @@ def _killed_and_resumed(tmp: Path) -> dict[str, Any]:
         "torchrun_shared.py", *STEPS, "--checkpoint-dir", ckpt, "--crash-at-step", "12"
     )
     saved = sorted(d.name for d in ckpt.iterdir())
+    shutil.copytree(ckpt, tmp / "as-crashed")  # the resume below adds steps 15 and 20
     resumed = torchrun(
         "torchrun_shared.py", *STEPS, "--checkpoint-dir", ckpt, "--out", tmp / "resumed.pt"
     )
-    return {"crashed": crashed, "saved": saved, "resumed": resumed, "out": tmp / "resumed.pt"}
+    return {"crashed": crashed, "saved": saved, "resumed": resumed, "out": tmp / "resumed.pt",
+            "as_crashed": tmp / "as-crashed"}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -65,12 +68,16 @@ def launched(
     seconds starting its agent and then its workers, so they overlap): the test waits for its
     own and asserts on it."""
     jobs: dict[str, Callable[[], Any]] = {}
-    if selected(request, "test_killed_run_resumes_to_the_uninterrupted_result") or selected(
-        request, "test_elastic_restart_resumes_to_the_uninterrupted_result"
+    if (
+        selected(request, "test_killed_run_resumes_to_the_uninterrupted_result")
+        or selected(request, "test_elastic_restart_resumes_to_the_uninterrupted_result")
+        or selected(request, "test_an_unreadable_newest_checkpoint_falls_back_to_the_one_before")
     ):
         out = tmp_path_factory.mktemp("whole") / "whole.pt"
         jobs["whole"] = partial(torchrun, "torchrun_shared.py", *STEPS, "--out", out)
-    if selected(request, "test_killed_run_resumes_to_the_uninterrupted_result"):
+    if selected(request, "test_killed_run_resumes_to_the_uninterrupted_result") or selected(
+        request, "test_an_unreadable_newest_checkpoint_falls_back_to_the_one_before"
+    ):
         jobs["killed"] = partial(_killed_and_resumed, tmp_path_factory.mktemp("killed"))
     if selected(request, "test_elastic_restart_resumes_to_the_uninterrupted_result"):
         tmp = tmp_path_factory.mktemp("elastic")
@@ -106,15 +113,15 @@ def test_killed_run_resumes_to_the_uninterrupted_result(
 
 
 def test_an_unreadable_newest_checkpoint_falls_back_to_the_one_before(
-    tmp_path: Path, uninterrupted: torch.Tensor
+    tmp_path: Path, launched: dict[str, Future[Any]], uninterrupted: torch.Tensor
 ) -> None:
     """Rank 1's newest file is damaged: it could not be read and the run failed, though the
-    checkpoint before was whole. Now every rank falls back to step 5, alike."""
+    checkpoint before was whole. Now every rank falls back to step 5, alike. On a copy of the
+    killed run's checkpoints as it left them (steps 5 and 10)."""
     ckpt = tmp_path / "ckpt"
-    crashed = torchrun(
-        "torchrun_shared.py", *STEPS, "--checkpoint-dir", ckpt, "--crash-at-step", "12"
-    )
-    assert crashed.returncode != 0
+    killed = launched["killed"].result()
+    assert killed["crashed"].returncode != 0
+    shutil.copytree(killed["as_crashed"], ckpt)
     (ckpt / "step000010" / "rank1.pt").write_bytes(b"PK\x03\x04 cut short")
     resumed = torchrun(
         "torchrun_shared.py", *STEPS, "--checkpoint-dir", ckpt, "--out", tmp_path / "resumed.pt"

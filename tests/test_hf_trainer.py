@@ -69,7 +69,7 @@ def test_resume_in_new_processes(tmp_path: Path, local_run: tuple[Path, Any]) ->
     ``checkpoint-5``, ends where that run went straight through."""
     straight, _ = local_run
     resumed = run_example(
-        "hf_trainer.py", "--share", "local", *STEPS, "--output-dir", tmp_path / "out",
+        "hf_trainer.py", "--share", "local", *STEPS, "--output-dir", straight / "out",
         "--resume", straight / "out" / "checkpoint-5", "--out", tmp_path / "r.pt",
     )  # fmt: skip
     assert "step 10: rank 0 sent" in resumed.stdout

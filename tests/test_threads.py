@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -23,10 +24,31 @@ def _clean_env(**extra: str) -> dict[str, str]:
     return {**env, **extra}
 
 
-def _launch(cmd: list[str], tmp: Path) -> list[dict]:
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=_clean_env())
-    assert done.returncode == 0, done.stderr[-3000:]
-    return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(2)]
+MODES = ("shared", "hook")
+LAUNCHES = {
+    "spawn": [sys.executable, str(HERE / "launch_threads.py"), "spawn"],
+    "torchrun": [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                 "--nproc_per_node=2", str(HERE / "launch_threads.py"), "torchrun"],
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, str], list[dict]]:
+    """``reports(launch, mode)``: each rank's report. One launch per launcher runs both modes
+    in turn (a launch is mostly process start), on the first test that asks for it."""
+    done: dict[str, Path] = {}
+
+    def get(launch: str, mode: str) -> list[dict]:
+        if launch not in done:
+            tmp = tmp_path_factory.mktemp(launch)
+            cmd = [*LAUNCHES[launch], str(tmp), ",".join(MODES)]
+            run = subprocess.run(cmd, capture_output=True, text=True, timeout=240,
+                                 env=_clean_env())  # fmt: skip
+            assert run.returncode == 0, run.stderr[-3000:]
+            done[launch] = tmp
+        return [json.loads((done[launch] / f"rank{r}-{mode}.json").read_text()) for r in range(2)]
+
+    return get
 
 
 def _expected(report: dict) -> int:
@@ -39,20 +61,16 @@ class TestDefaultLaunch:
     its share of the CPUs (single-threaded on 2 cores, so numba's pool never starts) and
     torch's own thread count is what it was."""
 
-    @pytest.mark.parametrize("mode", ["shared", "hook"])
-    def test_mp_spawn(self, mode: str, tmp_path: Path) -> None:
-        script = [sys.executable, str(HERE / "launch_threads.py"), "spawn", str(tmp_path), mode]
-        for report in _launch(script, tmp_path):
+    @pytest.mark.parametrize("mode", MODES)
+    def test_mp_spawn(self, mode: str, reports: Callable[[str, str], list[dict]]) -> None:
+        for report in reports("spawn", mode):
             assert report["kernel_threads"] == _expected(report), report
             assert report["torch_after"] == report["torch_before"], report
             assert report["pool_started"] == (report["kernel_threads"] > 1), report
 
-    @pytest.mark.parametrize("mode", ["shared", "hook"])
-    def test_torchrun(self, mode: str, tmp_path: Path) -> None:
-        run = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc_per_node=2"]  # fmt: skip
-        script = [str(HERE / "launch_threads.py"), "torchrun", str(tmp_path), mode]
-        for report in _launch([*run, *script], tmp_path):
+    @pytest.mark.parametrize("mode", MODES)
+    def test_torchrun(self, mode: str, reports: Callable[[str, str], list[dict]]) -> None:
+        for report in reports("torchrun", mode):
             assert report["torch_before"] == 1  # torchrun sets OMP_NUM_THREADS=1
             assert report["kernel_threads"] == 1 and not report["pool_started"], report
             assert report["torch_after"] == 1, report
