@@ -285,6 +285,25 @@ class TestLightning:
         given = GradshareDDPStrategy(gradshare_timeout=20, timeout=timedelta(seconds=99))
         assert given._timeout == timedelta(seconds=99)
 
+    def test_a_hung_rank_holds_the_other_for_gradshare_timeout_at_most(
+        self, tmp_path: Path
+    ) -> None:
+        """Rank 0 hangs after step 2, with no sync due: rank 1 waits in Lightning's own
+        per-step broadcast from rank 0 (its error swallowed by Lightning), which held it
+        torch's 30 minutes; now ``gradshare_timeout`` (5 s) bounds the wait."""
+        pytest.importorskip("lightning", reason=f"needs Lightning: {INSTALL}")
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        env["PYTHONPATH"] = os.pathsep.join(
+            filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")])
+        )
+        run = subprocess.run(
+            [sys.executable, str(ROOT / "tests" / "lightning_hang.py"), str(tmp_path / "done")],
+            capture_output=True, text=True, timeout=240, env=env, cwd=ROOT,
+        )  # fmt: skip
+        found = re.search(r"rank 1, ([\d.]+) s after step 2: (.*)", run.stdout)
+        assert found, run.stdout[-2000:] + run.stderr[-3000:]
+        assert 4.5 <= float(found.group(1)) < 5 + 25, run.stdout
+
     def test_bad_settings_are_refused(self) -> None:
         pytest.importorskip("lightning", reason=f"needs Lightning: {INSTALL}")
         from gradshare.integrations import GradshareDDPStrategy
