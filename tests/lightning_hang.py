@@ -3,7 +3,7 @@
     python tests/lightning_hang.py DONE_FILE
 
 ``examples/lightning_ddp.py``'s module on 2 CPU processes with
-``GradshareDDPStrategy(share="local", sync_every=100, gradshare_timeout=5)``: no sync falls
+``GradshareDDPStrategy(share="local", sync_every=100, gradshare_timeout=TIMEOUT)``: no sync falls
 in the fit, so the only collective that reaches the hung rank is Lightning's own broadcast
 from rank 0 at every step (of a SIGTERM flag; Lightning swallows its error). Rank 0 stops at
 the end of step 2 until rank 1 wrote DONE_FILE (at most 120 s); rank 1 prints how long after
@@ -27,6 +27,9 @@ from lightning_ddp import DigitsMLP
 from gradshare.integrations import GradshareDDPStrategy
 
 HANG_AT = 2
+TIMEOUT = 30
+"""gradshare_timeout: also the process group's, which bounds its start too (rank 1 joins only
+once Lightning's launcher started it and it imported everything: seconds, more under load)."""
 
 
 class Hang(L.Callback):
@@ -51,7 +54,7 @@ def main() -> None:
     torch.set_num_threads(1)
     hang = Hang(Path(sys.argv[1]))
     strategy = GradshareDDPStrategy(
-        share="local", sync_every=100, gradshare_timeout=5, process_group_backend="gloo"
+        share="local", sync_every=100, gradshare_timeout=TIMEOUT, process_group_backend="gloo"
     )
     trainer = L.Trainer(
         strategy=strategy, accelerator="cpu", devices=2, max_epochs=1, limit_train_batches=6,
