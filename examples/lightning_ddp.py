@@ -7,7 +7,9 @@
 An ordinary LightningModule; the one change is ``strategy=GradshareDDPStrategy(...)``
 (``--share updates``: ``SharedOptimizer`` shares the optimizer's updates instead;
 ``--share local``: no all-reduce at all, each rank steps its own replica and ``LocalSteps``
-syncs the replicas every ``--sync-every`` steps with sparse messages). Run as
+syncs the replicas every ``--sync-every`` steps with sparse messages). The learning rate
+warms up over the first :data:`WARMUP_STEPS` steps, set in ``optimizer_step`` as Lightning's
+docs show. Run as
 a plain script, Lightning's ``ddp`` launcher starts the script again once per extra device
 (``devices=2``), over gloo on 127.0.0.1 with a free port. Every checkpoint gets one
 ``<checkpoint>.gradshare-rank{r}.pt`` per rank (residuals, threshold state; with ``local``
@@ -40,6 +42,9 @@ from gradshare import AdaptiveThreshold, SharedOptimizer
 from gradshare.app.datasets import digits, mlp
 from gradshare.integrations import GradshareDDPStrategy
 
+WARMUP_STEPS = 10
+"""Steps over which the learning rate rises linearly to ``--lr``."""
+
 
 class DigitsMLP(L.LightningModule):
     def __init__(self, lr: float, batch_size: int) -> None:
@@ -58,6 +63,17 @@ class DigitsMLP(L.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+    def optimizer_step(
+        self, epoch: int, batch_idx: int, optimizer: Any, closure: Any = None
+    ) -> None:
+        """Lightning's learning-rate warm-up pattern: the rate set through the optimizer
+        Lightning hands over (with ``--share updates``, the SharedOptimizer), also after a
+        resume, before each step."""
+        scale = min(1.0, (self.trainer.global_step + 1) / WARMUP_STEPS)
+        for group in optimizer.param_groups:
+            group["lr"] = scale * self.lr
+        optimizer.step(closure=closure)
 
 
 def bytes_sent(strategy: GradshareDDPStrategy, model: L.LightningModule) -> tuple[int, int]:

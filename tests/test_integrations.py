@@ -64,7 +64,8 @@ def _plain_ddp(
     model, optimizer and batches, no framework.
 
     ``batches="lightning"``: Lightning's DistributedSampler (seed 0, ``set_epoch`` each
-    epoch), the first ``num_steps`` batches of each of ``num_epochs`` epochs.
+    epoch), the first ``num_steps`` batches of each of ``num_epochs`` epochs, and the
+    example's learning-rate warm-up (over 10 steps, set through ``opt.param_groups``).
     ``batches="accelerate"``: the unshuffled loader's batches dealt out round-robin (rank r
     takes r, r + world, ...), ``num_steps`` in all, epoch after epoch.
     """
@@ -92,7 +93,10 @@ def _plain_ddp(
     else:
         mine = list(DataLoader(data, batch_size=32, drop_last=True))[rank::world]
         schedule = [mine[i % len(mine)] for i in range(num_steps)]
-    for x, y in schedule:
+    for step, (x, y) in enumerate(schedule):
+        if batches == "lightning":  # the example's warm-up, set through the optimizer
+            for group in opt.param_groups:
+                group["lr"] = 0.2 * min(1.0, (step + 1) / 10)
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()
         opt.step()
