@@ -27,16 +27,21 @@ WORLD = 2
 INSTALL = "pip install -e '.[integrations]'"
 
 
+def run_script(path: Path, *args: str | Path) -> subprocess.CompletedProcess[str]:
+    """Run a script of this checkout with its ``src`` importable, one thread per process."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
+    return subprocess.run(
+        [sys.executable, str(path), *map(str, args)],
+        capture_output=True, text=True, timeout=240, env=env, cwd=ROOT,
+    )  # fmt: skip
+
+
 def run_example(
     script: str, *args: str | Path, fails: bool = False
 ) -> subprocess.CompletedProcess[str]:
     """Run ``examples/<script>``; it must succeed (or with ``fails``, exit non-zero)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
-    run = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / script), *map(str, args)],
-        capture_output=True, text=True, timeout=240, env=env, cwd=ROOT,
-    )  # fmt: skip
+    run = run_script(ROOT / "examples" / script, *args)
     assert (run.returncode != 0) == fails, run.stdout[-2000:] + run.stderr[-4000:]
     return run
 
@@ -173,13 +178,7 @@ def _accelerate_local(tmp: Path) -> dict[str, Any]:
 
 def _hung_rank(tmp: Path) -> dict[str, Any]:
     """``tests/lightning_hang.py``: mostly waiting, so it runs beside the others."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
-    run = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "lightning_hang.py"), str(tmp / "done")],
-        capture_output=True, text=True, timeout=240, env=env, cwd=ROOT,
-    )  # fmt: skip
-    return {"run": run}
+    return {"run": run_script(ROOT / "tests" / "lightning_hang.py", tmp / "done")}
 
 
 @pytest.fixture(scope="module")

@@ -53,10 +53,10 @@ OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
 }
 THRESHOLD_KINDS = ("adaptive", "fixed", "target")
 LOCAL = "local-steps"
+"""The run that syncs every ``local_steps`` steps (processes, LocalSteps)."""
 OUTER_LR = 1.4
 """The local-steps run's outer SGD learning rate: plain SGD on an MLP with its workers'
 pseudo-gradients summed (gradshare's DEFAULT_OUTER_LR suits averaged ones under AdamW)."""
-"""The run that syncs every ``local_steps`` steps (processes, LocalSteps)."""
 
 
 def parse_threshold(spec: str) -> ThresholdAlgorithm:
@@ -379,9 +379,9 @@ def _train_local(
     result = RunResult(LOCAL)
     numel = sum(p.numel() for p in model.parameters())
     step = 0
-    # summed like the other runs' updates (DL4J's sum), not averaged; the outer lr of the
-    # runs before DEFAULT_OUTER_LR was tuned on a GPT with AdamW (summed over 4 workers, the
-    # default 2.8 overshoots: 0.67 accuracy against 0.94 dense)
+    # summed like the other runs' updates (DL4J's sum), not averaged, so OUTER_LR, not the
+    # default 2.8 (tuned on averaged AdamW syncs; summed over 4 workers it gave 0.67 accuracy
+    # against 0.94 dense)
     sync = LocalSteps(
         model, inner, config.local_steps, density=config.density, reduction="sum",
         outer_optimizer=lambda p: torch.optim.SGD(p, lr=OUTER_LR),
