@@ -148,7 +148,7 @@ def _rank_keeps_residual(rank: int, world: int) -> float:
     """The survivor of a lost peer catches the error: its residual must hold what it had plus
     this step's update (its own message goes back), so a checkpoint then loses nothing."""
     model = mlp(10, 3, hidden=16, seed=0)
-    opt = SharedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5), timeout=3,
+    opt = SharedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5), timeout=10,
                           threshold=FixedThreshold(1e-3))  # fmt: skip
     for step, (x, y) in enumerate(toy_batches(4 * world)[rank::world]):
         if rank == 1 and step == 2:
