@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import os
 import platform
-import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -14,6 +13,8 @@ import numba
 import numpy as np
 import torch
 import torch.distributed as dist
+
+from gradshare.distributed.hosts import rendezvous_port
 
 
 def environment() -> dict[str, object]:
@@ -38,9 +39,7 @@ def environment() -> dict[str, object]:
 
 def free_port() -> int:
     """A free TCP port on 127.0.0.1 for a world's rendezvous."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return rendezvous_port()
 
 
 def timed_steps(

@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +43,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from gradshare import AdaptiveThreshold, LocalSteps, register_threshold_hook
 from gradshare.app.datasets import digits, mlp
+from gradshare.distributed.hosts import rendezvous_port
 from gradshare.integrations import register_rank_checkpointing
 
 
@@ -144,12 +144,6 @@ def train(args: argparse.Namespace) -> None:
     accelerator.end_training()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=100, help="total optimizer steps")
@@ -169,7 +163,7 @@ def main() -> None:
     if (args.save_at is None) != (args.checkpoint_dir is None):
         parser.error("--save-at and --checkpoint-dir go together")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    notebook_launcher(train, (args,), num_processes=2, use_port=str(free_port()))
+    notebook_launcher(train, (args,), num_processes=2, use_port=str(rendezvous_port()))
 
 
 if __name__ == "__main__":

@@ -1,10 +1,15 @@
-"""Before any test: numba's disk cache of gradshare's kernels is filled once.
+"""Before any test: numba's disk cache of gradshare's kernels is filled once; the slowest
+modules are handed to the xdist workers first.
 
 numba compiles a kernel on its first call in a process and caches it on disk. In a fresh
 clone the cache is empty, so every rank, example and launch the tests start early on would
 compile the same kernels at once (~38 s of CPU for all of them, per process). The main pytest
 process (not the xdist workers) runs every codec step once in two processes side by side, the
 parallel kernels in one and their serial twins in the other, and waits for both.
+
+xdist's ``loadfile`` hands out whole modules; left to itself it orders them by their number
+of tests, which put the modules that launch the most processes (few tests, each a minute)
+last, and one worker ran them alone at the end. :data:`SECONDS` orders them longest first.
 """
 
 from __future__ import annotations
@@ -47,3 +52,19 @@ def pytest_configure(config: pytest.Config) -> None:
         _, err = proc.communicate(timeout=300)
         if proc.returncode != 0:  # the kernel tests will say what is wrong
             sys.stderr.write(f"warming numba's cache failed:\n{err.decode()[-2000:]}\n")
+
+
+SECONDS = {
+    "test_integrations": 150, "test_hf_trainer": 125, "test_examples": 80,
+    "test_distributed": 60, "test_threads": 50, "test_multinode": 50, "test_train": 45,
+    "test_local_steps_example": 35, "test_kernels": 35, "test_ddp_hook": 30,
+    "test_agreement": 30, "test_codec": 25, "test_local_steps": 25, "test_docs": 20,
+    "test_hierarchical": 20,
+}  # fmt: skip
+"""Each module's seconds in a fresh clone's run (``--junitxml``, summed per module); the
+rest take under 10 s."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The longest modules first (a stable sort: each module's own order stays)."""
+    items.sort(key=lambda item: -SECONDS.get(item.module.__name__ if item.module else "", 0))

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradshare
 from gradshare.codec import threads
+from gradshare.distributed.hosts import rendezvous_port
 
 
 def run(rank: int, world: int, out: str, modes: str) -> None:
@@ -61,9 +61,7 @@ def main() -> None:
     if launch == "torchrun":
         run(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), out, modes)
         return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = rendezvous_port()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     mp.spawn(run, args=(2, out, modes), nprocs=2, join=True)
 

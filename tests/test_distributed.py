@@ -32,6 +32,7 @@ from gradshare import (
     exchange_messages,
 )
 from gradshare.app.datasets import mlp
+from gradshare.distributed.hosts import rendezvous_port
 
 from toys import flat, toy_batches
 from world import pooled, spawn
@@ -439,6 +440,14 @@ def test_needs_a_process_group() -> None:
         SharedOptimizer(torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1))
 
 
+def test_rendezvous_port_lies_below_the_ephemeral_range() -> None:
+    """Below it no outgoing connection is given the port: a rank that connects before the
+    store listens cannot connect to itself."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = {rendezvous_port() for _ in range(20)}
+    assert all(1024 <= p < low for p in ports) and len(ports) > 1
+
+
 def test_destroy_process_group_stops_gloo_threads() -> None:
     """Guards a crash at exit ("terminate called without an active exception", SIGABRT):
     torch.distributed.nn.functional, imported lazily by torch (a first torch.optim optimizer
@@ -468,11 +477,7 @@ def test_destroy_process_group_stops_gloo_threads() -> None:
 def _launch_two_ranks(script: str, *args: str) -> list[subprocess.Popen]:
     """Start ranks 0 and 1 of ``tests/<script>`` the way torchrun would (env:// on a free
     port of 127.0.0.1), with OMP_NUM_THREADS=1 as torchrun sets it."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = rendezvous_port()
     path = str(Path(__file__).resolve().parent / script)
     procs = []
     for rank in (0, 1):

@@ -31,7 +31,6 @@ import ast
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import tempfile
@@ -42,6 +41,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from gradshare.distributed.hosts import rendezvous_port
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -152,9 +153,7 @@ def _block_port(folder: Path, n: int, role: str) -> int:
     then by another test's store, which the ranks would join and wait in)."""
     path = folder / f"port-{n}"
     if role == "rank0":
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = rendezvous_port()
         path.with_suffix(".tmp").write_text(str(port))
         path.with_suffix(".tmp").replace(path)
         return port

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -28,6 +27,7 @@ from torch.nn import functional as F
 
 from gradshare.app.datasets import Split, digits, minibatches, mlp
 from gradshare.codec import NonFiniteUpdate, float32_threshold
+from gradshare.distributed.hosts import rendezvous_port
 from gradshare.encoding.residual import ResidualClipping, ResidualPostProcessor
 from gradshare.encoding.threshold import (
     AdaptiveThreshold,
@@ -302,12 +302,6 @@ def _run_parallel(config: TrainConfig, name: str, split: Split, bar: Any) -> Run
 # ---------------------------------------------------------------------- processes
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _rank_main(rank: int, config: TrainConfig, name: str, port: int, tmp: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -443,7 +437,7 @@ def _run_distributed(config: TrainConfig, name: str, split: Split, bar: Any) -> 
 
     with tempfile.TemporaryDirectory() as tmp:
         context = mp.start_processes(
-            _rank_main, args=(config, name, _free_port(), tmp), nprocs=config.workers,
+            _rank_main, args=(config, name, rendezvous_port(), tmp), nprocs=config.workers,
             join=False, start_method="spawn",
         )  # fmt: skip
         try:

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import random
 import socket
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -19,7 +21,7 @@ import torch.distributed as dist
 from gradshare.codec import threads
 from gradshare.distributed import _inflight
 
-__all__ = ["count_ranks_on_host"]
+__all__ = ["count_ranks_on_host", "rendezvous_port"]
 
 logger = logging.getLogger(__name__)
 
@@ -45,3 +47,36 @@ def count_ranks_on_host(group: Any = None) -> int:
         "%d rank(s) on this host; kernels use %d thread(s)", count, threads.kernel_threads()
     )
     return count
+
+
+def rendezvous_port(host: str = "127.0.0.1") -> int:
+    """A free TCP port on ``host`` for a rendezvous store (``MASTER_PORT``), below the
+    ephemeral range.
+
+    A port that ``bind((host, 0))`` hands out lies in the ephemeral range, where the kernel
+    also draws the local port of every outgoing connection. Until the store listens on it, a
+    rank that is already trying to connect can be given that very port as its own and connect
+    to itself (TCP's simultaneous open), then wait forever for a store that is itself; any
+    other process's connection can take it too. No local port is drawn below the range.
+    """
+    low = _ephemeral_low()
+    draw = random.SystemRandom()
+    for _ in range(200):
+        port = draw.randrange(max(1024, low // 2), low)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # every draw taken: any free port, as before
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _ephemeral_low() -> int:
+    """The first port of this host's ephemeral range (Linux's default: 32768)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
