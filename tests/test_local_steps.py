@@ -361,7 +361,7 @@ def test_bad_arguments_are_refused_naming_the_fix() -> None:
         ({"density": 0.5}, ValueError, "density=1.0"),
         ({"decay": 1.1}, ValueError, r"`decay` in \[0, 1\]"),
         ({"decay": -0.1}, ValueError, r"`decay` in \[0, 1\]"),
-        ({"overlap": True}, NotImplementedError, "overlap=False"),
+        ({"overlap": 1}, TypeError, "`overlap` to be a bool"),
     ]
     for kwargs, error, match in cases:
         args = {"sync_every": 2, **kwargs}
