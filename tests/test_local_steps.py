@@ -478,22 +478,25 @@ def test_bad_arguments_are_refused_naming_the_fix() -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_with_offload() -> None:
-    """On CUDA, offload keeps the global copy and residuals on the CPU; replicas still agree."""
-    results = [r.get() for r in spawn(_rank_cuda, 2)]
+@pytest.mark.parametrize("overlap", [False, True])
+def test_cuda_with_offload(overlap: bool) -> None:
+    """On CUDA, offload keeps the global copy and residuals on the CPU; replicas still agree
+    (with overlap, exchanged from the background thread's own stream)."""
+    results = [r.get() for r in spawn(_rank_cuda, 2, overlap)]
     assert torch.equal(results[0], results[1])
 
 
-def _rank_cuda(rank: int, world: int) -> torch.Tensor:
+def _rank_cuda(rank: int, world: int, overlap: bool) -> torch.Tensor:
     model = toy_model().cuda()
     inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    sync = LocalSteps(model, inner, sync_every=2, offload=True)
+    sync = LocalSteps(model, inner, sync_every=2, offload=True, overlap=overlap)
     assert all(g.device.type == "cpu" for g in sync.global_params)
     for x, y in toy_batches(4 * world)[rank::world]:
         inner.zero_grad()
         F.cross_entropy(model(x.cuda()), y.cuda()).backward()
         inner.step()
     assert all(e.residual is not None and e.residual.device.type == "cpu" for e in sync.encoders)
+    sync.close()  # with overlap: merges the last round
     return flat(model).cpu()
 
 

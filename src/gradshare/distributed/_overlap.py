@@ -55,15 +55,17 @@ class InFlightRound:
         ready = None
         if self._device.type == "cuda":  # the job's stream waits for this thread's work
             ready = torch.cuda.Event()
-            ready.record()
+            ready.record(torch.cuda.current_stream(self._device))
 
         def run() -> int:
-            if ready is not None:
-                torch.cuda.current_stream(self._device).wait_event(ready)
-            sent = job()
-            if ready is not None:  # the mean is whole before the future completes
-                torch.cuda.current_stream(self._device).synchronize()
-            return sent
+            if ready is None:
+                return job()
+            with torch.cuda.device(self._device):
+                stream = torch.cuda.current_stream()
+                stream.wait_event(ready)
+                sent = job()
+                stream.synchronize()  # the mean is whole before the future completes
+                return sent
 
         self._future = self._pipeline.submit(run)
         self._undo, self._stats = undo, stats
