@@ -387,7 +387,7 @@ class LocalSteps:
             job = lambda: self._encoded_mean(mine, None, group, number)
         if self._round.take():
             self._outer_step()
-        self._take_global()  # the first sync: back to the start point, as on every rank
+        self._take_global()  # the next round's start, alike everywhere (first sync: its own)
 
         def undo() -> None:  # the exchange failed: nothing of this round stays
             self._put_back(before)
