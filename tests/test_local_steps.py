@@ -150,6 +150,82 @@ class TestSyncLaws:
                 torch.testing.assert_close(r["dense"]["after"][k], mean)
 
 
+def _rank_overlap(rank: int, world: int) -> dict:
+    """overlap=True: dense with outer SGD lr 1 (exact arithmetic), then encoded."""
+    batches = toy_batches(9 * world, seed=3)[rank::world]
+    model = toy_model(seed=rank)
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    locals_: list = []
+    inner.register_step_post_hook(lambda *_: locals_.append(flat(model)))  # runs first
+    sync = LocalSteps(model, inner, sync_every=2, dense=True, overlap=True,
+                      outer_optimizer=lambda p: torch.optim.SGD(p, lr=1.0))  # fmt: skip
+    start, after, counted = flat(model), [], []
+    for step, batch in enumerate(batches):
+        _train(model, inner, [batch])
+        if (step + 1) % 2 == 0:
+            after.append(flat(model))
+            counted.append((sync.bytes_sent, sync.dense_bytes))
+    sync.close()  # after step 9: the last merge is added to this replica's own step
+    dense = {"start": start, "locals": locals_[1::2], "step9": locals_[-1], "after": after,
+             "closed": flat(model), "counted": counted, "numel": sync.numel}  # fmt: skip
+    model = toy_model(seed=rank)
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    hashes = []
+    with LocalSteps(model, inner, sync_every=2, overlap=True) as sync:
+        start = flat(model)
+        for step, batch in enumerate(batches[:8]):
+            _train(model, inner, [batch])
+            if (step + 1) % 2 == 0:
+                hashes.append(flat(model))
+                assert torch.equal(torch.cat([g.reshape(-1) for g in sync.global_params]),
+                                   hashes[-1])  # fmt: skip
+        sent, syncs = sync.bytes_sent, sync.syncs
+    encoded = {"start": start, "hashes": hashes, "closed": flat(model), "sent": sent,
+               "syncs": syncs, "all_sent": sync.bytes_sent}  # fmt: skip
+    return {"dense": dense, "encoded": encoded}
+
+
+@pytest.fixture(scope="module")
+def overlapped() -> list[dict]:
+    return [r.get() for r in pooled(_rank_overlap, 2)]
+
+
+class TestOverlap:
+    """overlap=True is a one-round delay: sync k merges round k-1's mean (exchanged in the
+    background meanwhile), the first sync sends the replicas back to their start point, and
+    closing merges the last round. World size 2."""
+
+    def test_dense_is_the_one_round_delay_recurrence(self, overlapped: list[dict]) -> None:
+        """Replayed here in float32 in the same order (Δ = start - local, the sum of two, /2,
+        the outer SGD lr 1 step), the result must match bit for bit."""
+        runs = [r["dense"] for r in overlapped]
+        g, pending = runs[0]["start"], None
+        for k in range(4):
+            mean = sum(g - run["locals"][k] for run in runs) / 2  # Δ_k from this round's start
+            if pending is not None:
+                g = g - pending  # round k-1's mean, merged at sync k
+            assert all(torch.equal(run["after"][k], g) for run in runs), k
+            pending = mean
+        # step 9 was taken after the last sync: close() adds the merged move to each replica's
+        for run in runs:
+            assert torch.equal(run["closed"], run["step9"] + ((g - pending) - g))
+        # a round is counted when its exchange completes: none at sync 1, all after close()
+        numel = runs[0]["numel"]
+        assert runs[0]["counted"] == [(4 * numel * k, 4 * numel * k) for k in range(4)]
+
+    def test_encoded_replicas_are_bit_identical_at_every_merge(
+        self, overlapped: list[dict]
+    ) -> None:
+        runs = [r["encoded"] for r in overlapped]
+        for k in range(4):
+            assert torch.equal(runs[0]["hashes"][k], runs[1]["hashes"][k]), k
+        assert torch.equal(runs[0]["closed"], runs[1]["closed"])  # the `with` block flushed
+        assert torch.equal(runs[0]["hashes"][0], runs[0]["start"])  # sync 1: nothing to merge
+        assert not torch.equal(runs[0]["closed"], runs[0]["hashes"][-1])
+        for run in runs:
+            assert run["syncs"] == 4 and 0 < run["sent"] < run["all_sent"]
+
+
 def _rank_refusals(rank: int, world: int) -> dict:
     """Settings and round mismatches, a NaN on one rank, a skipped GradScaler step."""
     out: dict = {}
@@ -159,6 +235,10 @@ def _rank_refusals(rank: int, world: int) -> dict:
         LocalSteps(model, inner, sync_every=2, decay=0.9 if rank == 1 else 0.95)
     except ValueError as e:
         out["settings"] = str(e)
+    try:
+        LocalSteps(model, inner, sync_every=2, overlap=rank == 0)
+    except ValueError as e:
+        out["overlap"] = str(e)
     out["hooks_left"] = len(inner._optimizer_step_post_hooks)
     batches = toy_batches(8 * world)[rank::world]
     # a NaN in rank 1's parameters at the second sync, put there after its inner step
@@ -234,6 +314,7 @@ def _rank_two(rank: int, world: int, tmp: str) -> dict:
         **_rank_refusals(rank, world),
         "scaler": _rank_grad_scaler(rank, world),
         "whole": _rank_resume(rank, world, tmp, "whole"),
+        "whole overlap": _rank_resume(rank, world, tmp, "whole", True),
     }
 
 
@@ -261,6 +342,12 @@ class TestRefusals:
         assert "`decay` 0.95 on rank 0, 0.9 on rank 1" in msg
         assert all(r["hooks_left"] == 0 for r in results)  # nothing registered
 
+    def test_overlap_on_one_rank_only_is_refused_on_both(self, results: list[dict]) -> None:
+        """The ranks would issue their collectives in different orders."""
+        msg = results[0]["overlap"]
+        assert msg == results[1]["overlap"]
+        assert "`overlap` True on rank 0, False on rank 1" in msg
+
     def test_nan_on_one_rank_changes_nothing_anywhere(self, results: list[dict]) -> None:
         msg = results[0]["nan"]
         assert msg == results[1]["nan"]
@@ -283,10 +370,10 @@ def test_grad_scaler_skipped_step_still_syncs_in_step(refusals: list[dict]) -> N
         assert torch.equal(a, b)
 
 
-def _rank_fault(rank: int, world: int, kind: str) -> tuple[float, str]:
+def _rank_fault(rank: int, world: int, kind: str, overlap: bool) -> tuple[float, str]:
     model = toy_model()
     inner = torch.optim.SGD(model.parameters(), lr=0.1)
-    LocalSteps(model, inner, sync_every=2, timeout=3)
+    LocalSteps(model, inner, sync_every=2, timeout=3, overlap=overlap)
     start = time.monotonic()
     try:
         for step, batch in enumerate(toy_batches(8 * world)[rank::world]):
@@ -301,47 +388,60 @@ def _rank_fault(rank: int, world: int, kind: str) -> tuple[float, str]:
     raise AssertionError("the sync did not fail")
 
 
-@pytest.mark.parametrize("kind", ["raise", "kill"])
-def test_lost_peer_raises_within_the_timeout(kind: str) -> None:
+@pytest.mark.parametrize(("kind", "overlap"), [("raise", False), ("kill", False), ("raise", True)])
+def test_lost_peer_raises_within_the_timeout(kind: str, overlap: bool) -> None:
     """A rank that raises (or is killed) between syncs: the other raises a clear error at
-    its next sync within the timeout, instead of waiting forever."""
-    survivor, lost = spawn(_rank_fault, 2, kind, timeout=40)
+    its next sync within the timeout, instead of waiting forever (with overlap, whether the
+    round in flight or the next sync's header finds the peer gone)."""
+    survivor, lost = spawn(_rank_fault, 2, kind, overlap, timeout=40)
     waited, msg = survivor.get()
     assert waited < 3 + 5, waited
-    assert "sync header" in msg and "timeout 3 s" in msg
+    assert "timeout 3 s" in msg and ("sync header" in msg or overlap)
     assert lost.error == ("ZeroDivisionError" if kind == "raise" else "Killed")
 
 
-def _rank_resume(rank: int, world: int, tmp: str, part: str) -> torch.Tensor:
-    """``whole``: 20 steps, saving at 10. ``resumed``: new processes load step 10, do 10."""
+def _rank_resume(rank: int, world: int, tmp: str, part: str, overlap: bool = False) -> torch.Tensor:
+    """``whole``: 20 steps, saving at 10. ``resumed``: new processes load step 10, do 10.
+    With overlap, round 1 (of the sync at step 8) is in flight at step 10."""
     batches = toy_batches(20 * world, seed=2)[rank::world]
     model = toy_model(seed=5)
     inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    sync = LocalSteps(model, inner, sync_every=4, decay=0.9, timeout=30)
-    path = Path(tmp) / f"rank{rank}.pt"
+    sync = LocalSteps(model, inner, sync_every=4, decay=0.9, timeout=30, overlap=overlap)
+    path = Path(tmp) / f"rank{rank}{'-overlap' if overlap else ''}.pt"
     if part == "whole":
         _train(model, inner, batches[:10])
         torch.save({"model": model.state_dict(), "inner": inner.state_dict(),
                     "sync": sync.state_dict()}, path)  # fmt: skip
     else:
         state = torch.load(path, weights_only=True)
-        wrong = {**state["sync"], "settings": {**state["sync"]["settings"], "world_size": 3}}
+        saved = state["sync"]
+        wrong = {**saved, "settings": {**saved["settings"], "world_size": 3}}
         with pytest.raises(ValueError, match="`world_size` 3 saved, 2 here"):
             sync.load_state_dict(wrong)
-        assert sync.syncs == 0
+        wrong = {**saved, "settings": {**saved["settings"], "overlap": not overlap}}
+        with pytest.raises(ValueError, match=f"`overlap` {not overlap} saved, {overlap} here"):
+            sync.load_state_dict(wrong)
+        assert sync.syncs == 0 and (saved["pending"] is not None) == overlap
+        if not overlap:  # a state of format 1 (before overlap) loads as one saved without it
+            settings = {k: v for k, v in saved["settings"].items() if k != "overlap"}
+            old = {k: v for k, v in saved.items() if k != "pending"}
+            sync.load_state_dict({**old, "format": 1, "settings": settings})
         model.load_state_dict(state["model"])
         inner.load_state_dict(state["inner"])
-        sync.load_state_dict(state["sync"])
+        sync.load_state_dict(saved)
         assert sync.steps == 10 and sync.syncs == 2
     _train(model, inner, batches[10:])
     assert sync.syncs == 5
+    sync.close()  # with overlap: merges round 4
     return flat(model)
 
 
-def test_resumed_run_is_bit_identical(two: tuple[list[dict], Path]) -> None:
-    """20 steps straight vs 10, save, new processes, load, 10: the same bits."""
-    whole = [r["whole"] for r in two[0]]
-    resumed = [r.get() for r in pooled(_rank_resume, 2, str(two[1]), "resumed")]
+@pytest.mark.parametrize("overlap", [False, True])
+def test_resumed_run_is_bit_identical(two: tuple[list[dict], Path], overlap: bool) -> None:
+    """20 steps straight vs 10, save, new processes, load, 10: the same bits (with overlap,
+    saved with a round in flight)."""
+    whole = [r["whole overlap" if overlap else "whole"] for r in two[0]]
+    resumed = [r.get() for r in pooled(_rank_resume, 2, str(two[1]), "resumed", overlap)]
     for a, b in zip(whole, resumed, strict=True):
         assert torch.equal(a, b)
     assert torch.equal(whole[0], whole[1])  # step 20 ends with a sync
@@ -361,7 +461,7 @@ def test_bad_arguments_are_refused_naming_the_fix() -> None:
         ({"density": 0.5}, ValueError, "density=1.0"),
         ({"decay": 1.1}, ValueError, r"`decay` in \[0, 1\]"),
         ({"decay": -0.1}, ValueError, r"`decay` in \[0, 1\]"),
-        ({"overlap": True}, NotImplementedError, "overlap=False"),
+        ({"overlap": 1}, TypeError, "`overlap` to be a bool"),
     ]
     for kwargs, error, match in cases:
         args = {"sync_every": 2, **kwargs}
@@ -378,47 +478,56 @@ def test_bad_arguments_are_refused_naming_the_fix() -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_with_offload() -> None:
-    """On CUDA, offload keeps the global copy and residuals on the CPU; replicas still agree."""
-    results = [r.get() for r in spawn(_rank_cuda, 2)]
+@pytest.mark.parametrize("overlap", [False, True])
+def test_cuda_with_offload(overlap: bool) -> None:
+    """On CUDA, offload keeps the global copy and residuals on the CPU; replicas still agree
+    (with overlap, exchanged from the background thread's own stream)."""
+    results = [r.get() for r in spawn(_rank_cuda, 2, overlap)]
     assert torch.equal(results[0], results[1])
 
 
-def _rank_cuda(rank: int, world: int) -> torch.Tensor:
+def _rank_cuda(rank: int, world: int, overlap: bool) -> torch.Tensor:
     model = toy_model().cuda()
     inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    sync = LocalSteps(model, inner, sync_every=2, offload=True)
+    sync = LocalSteps(model, inner, sync_every=2, offload=True, overlap=overlap)
     assert all(g.device.type == "cpu" for g in sync.global_params)
     for x, y in toy_batches(4 * world)[rank::world]:
         inner.zero_grad()
         F.cross_entropy(model(x.cuda()), y.cuda()).backward()
         inner.step()
     assert all(e.residual is not None and e.residual.device.type == "cpu" for e in sync.encoders)
+    sync.close()  # with overlap: merges the last round
     return flat(model).cpu()
 
 
-def _rank_failed_exchange(rank: int, world: int) -> bool:
+def _rank_failed_exchange(rank: int, world: int, overlap: bool) -> bool:
     """The exchange fails after this rank encoded (a peer lost mid-sync): every encoder is as
     it was before the sync (residual after the decay and the encoded Δ, threshold state), and
-    the replica keeps its local move for the sync that follows."""
+    the replica keeps its local move for the sync that follows. With overlap the exchange
+    fails in the background, and the next flush (or sync) raises and puts the encoders back."""
     import gradshare.distributed.local_steps as module
 
     model = toy_model()
     inner = torch.optim.SGD(model.parameters(), lr=0.1)
     batches = toy_batches(6)
-    sync = LocalSteps(model, inner, sync_every=2, decay=0.9, timeout=10)
-    _train(model, inner, batches[:2])  # one sync: the residuals hold something
-    before = [e.state_dict() for e in sync.encoders]
     exchange = module.exchange_messages
 
-    def lost(*args, **kwargs):  # type: ignore[no-untyped-def]
-        raise ExchangeError("a peer was lost")
+    def lost(*args, round: int, **kwargs):  # type: ignore[no-untyped-def]
+        if round >= 1:
+            raise ExchangeError("a peer was lost")
+        return exchange(*args, round=round, **kwargs)
 
     module.exchange_messages = lost  # type: ignore[assignment]
     try:
-        _train(model, inner, batches[2:4])
+        sync = LocalSteps(model, inner, sync_every=2, decay=0.9, timeout=10, overlap=overlap)
+        _train(model, inner, batches[:2])  # round 0 goes through: the residuals hold something
+        before = [e.state_dict() for e in sync.encoders]
+        _train(model, inner, batches[2:4])  # round 1
+        sync.flush()
     except ExchangeError:
         pass
+    else:
+        return False
     finally:
         module.exchange_messages = exchange
     after = [e.state_dict() for e in sync.encoders]
@@ -430,5 +539,6 @@ def _rank_failed_exchange(rank: int, world: int) -> bool:
     return same and sync.syncs == 1
 
 
-def test_a_failed_exchange_leaves_every_encoder_as_it_was() -> None:
-    assert spawn(_rank_failed_exchange, 1)[0].get()
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_failed_exchange_leaves_every_encoder_as_it_was(overlap: bool) -> None:
+    assert spawn(_rank_failed_exchange, 1, overlap)[0].get()

@@ -11,6 +11,8 @@ What lives here:
   settings (one readable error, the same on every rank); :mod:`.checkpoint`: what every
   per-rank state records and the checks a load runs before anything changes.
 - :mod:`~gradshare.distributed.ddp_hook`: the DDP communication hook that encodes gradients.
+- :mod:`~gradshare.distributed.local_steps`: ``LocalSteps``, local steps with sparse syncs
+  (DiLoCo / SparseLoCo); ``_overlap``: its round in flight when exchanges overlap the steps.
 - :mod:`~gradshare.distributed.hosts`, ``_inflight``: ranks per host; collectives in flight at
   exit.
 

@@ -25,6 +25,7 @@ import torch.distributed.nn.functional
 from gradshare import codec
 from gradshare.codec import multipart
 from gradshare.codec._flat import slices
+from gradshare.distributed._overlap import InFlightRound
 from gradshare.distributed.agreement import agree
 from gradshare.distributed.checkpoint import check_counter, check_encoder_state, check_mapping
 from gradshare.distributed.exchange import (
@@ -55,8 +56,9 @@ it is set). Each sent entry carries only ±threshold, so a sync moves the global
 4%, 2 ranks, 1,000 steps, lr 1.4 gave 1.067x dense DDP's validation loss and 2.8 gave 0.975x
 (2 seeds), 300 steps 1.027-1.029x, 5.6 diverged; the same at 4 ranks (300 steps), so it does
 not depend on the world size. A momentum-SGD CNN prefers 1.4 (-0.25 points against -1.7)."""
-FORMAT_VERSION = 1
-"""The version of :meth:`LocalSteps.state_dict`'s layout."""
+FORMAT_VERSION = 2
+"""The version of :meth:`LocalSteps.state_dict`'s layout (2 added ``pending`` and the
+``overlap`` setting; a version-1 state still loads, as one saved without overlap)."""
 
 OuterFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
 
@@ -104,6 +106,25 @@ class LocalSteps:
     ``grad_scaler=scaler``: iterations are then counted by ``scaler.update()``, which every
     rank calls every iteration, and a rank whose step was skipped still syncs when due.
 
+    Overlap (``overlap=True``): a one-round delay, so that the exchange runs while the ranks
+    take their next ``sync_every`` inner steps instead of stopping them. At sync k, every rank
+    exchanges the header (step 1, synchronously, as above), computes Δ_k from the point
+    round k started from and encodes it (steps 2-3); then it waits for round k-1's exchange,
+    which ran in a background thread during round k, takes the outer step with its mean
+    (steps 5-6) and copies the global copy into the model (step 7: replicas are bit-identical
+    after every merge); then it launches round k's exchange (step 4) in the background. Each
+    round's move is thus applied one round later, onto a global copy that has moved on by
+    one merge (the staleness it costs); none is lost. The first sync has nothing to merge:
+    the model goes back to the global copy, its start point, so that every round starts
+    from the same point on every rank; its move arrives at the second sync. :meth:`flush`
+    merges the round in flight without waiting for the next sync, :meth:`close` and leaving
+    the ``with`` block flush; :meth:`state_dict` waits for it and saves its mean. A failed
+    background exchange raises, at the next sync, :meth:`flush`, :meth:`close` or
+    :meth:`state_dict`, the error the exchange raised (an
+    :class:`~gradshare.ExchangeError` for a lost peer), with every encoder put back as it
+    was before that round. ``bytes_sent``, ``dense_bytes`` and :meth:`metrics` count a
+    round when its exchange completes; ``syncs`` counts the rounds started.
+
     Args:
         model: this rank's replica (not wrapped in DistributedDataParallel). Rank 0's
             parameters are broadcast at construction, so the replicas start equal.
@@ -115,8 +136,8 @@ class LocalSteps:
         outer_optimizer: a callable taking the global copy's tensors and returning the outer
             optimizer (default: ``SGD(params, lr=DEFAULT_OUTER_LR)``, no momentum).
         offload: keep the global copy, residuals and outer state on the CPU.
-        overlap: exchange in the background during the next local steps (not implemented
-            yet: must be False).
+        overlap: exchange each sync in the background during the next ``sync_every``
+            inner steps and merge it one round later (see above); off by default.
         grad_scaler: the run's ``torch.amp.GradScaler``, to count iterations by its
             ``update()`` (see above).
         group: the process group (default: the world).
@@ -171,6 +192,7 @@ class LocalSteps:
         self.decay = float(decay)
         self.magnitude = self.options.magnitude
         self.offload = bool(offload)
+        self.overlap = overlap
         self.timeout = timedelta(seconds=self.options.seconds())
         self.group = group
         self.model = model
@@ -190,7 +212,8 @@ class LocalSteps:
         self.steps = 0
         """Inner iterations counted (steps, or ``update()`` calls with a grad scaler)."""
         self.syncs = 0
-        """Syncs completed: the round number of the next one."""
+        """Syncs completed (with ``overlap``: started, the last may be in flight): the round
+        number of the next one."""
         # stats
         self.bytes_sent = 0
         """Bytes of the messages this rank sent (dense syncs: 4 per element)."""
@@ -220,6 +243,8 @@ class LocalSteps:
         """Per parameter: its residual and threshold state (none for dense syncs)."""
         self._delta = torch.zeros(self.numel, dtype=torch.float32, device=self.home)
         self._mean = torch.zeros_like(self._delta)
+        self._round = InFlightRound(self.device) if overlap else None
+        """With ``overlap``: the round whose exchange runs in the background."""
         self._scaler = grad_scaler
         self._handle: Any = None
         if grad_scaler is None:
@@ -286,6 +311,7 @@ class LocalSteps:
             "density": self.density,
             "decay": self.decay,
             "dense": self.dense,
+            "overlap": self.overlap,
             "threshold": self._threshold_text(),
             "outer_optimizer": self._outer_text,
             "world_size": self._world,
@@ -315,6 +341,8 @@ class LocalSteps:
     @torch.no_grad()
     def _sync(self) -> None:
         """One sync (steps 1-7 of the class docstring); on any error nothing is stepped."""
+        if self._round is not None:
+            self._receive()  # the last round's exchange ends before this thread's collectives
         status, bad, failure = _OK, -1, None
         try:
             bad = self._compute_delta()
@@ -325,13 +353,57 @@ class LocalSteps:
         if failure is not None:
             raise failure
         self._check_status(table)
+        if self._round is not None:
+            self._overlapped_sync()
+            return
+        group = self._private.get()
         if self.dense:
-            self._dense_mean()
+            sent = self._dense_mean(group)
         else:
-            self._encoded_mean()
+            mine, failure, before = self._encode()
+            sent = self._undone_on_error(
+                before, lambda: self._encoded_mean(mine, failure, group, self.syncs)
+            )
+        self.bytes_sent += sent
         self._outer_step()
+        self._take_global()
         self.dense_bytes += 4 * self.numel
         self.syncs += 1
+
+    def _overlapped_sync(self) -> None:
+        """``overlap``, after the header: encode this round, merge the last one (its mean waits
+        in ``_mean``), and launch this round's exchange in the background."""
+        assert self._round is not None
+        group, number = self._private.get(), self.syncs
+        before: list[dict[str, Any]] = []
+        if self.dense:
+            job: Callable[[], int] = lambda: self._dense_mean(group)
+        else:
+            mine, failure, before = self._encode()
+            if failure is not None:  # tell the others now (nothing is in flight), and stop
+                self._undone_on_error(
+                    before, lambda: self._encoded_mean(None, failure, group, number)
+                )
+            job = lambda: self._encoded_mean(mine, None, group, number)
+        if self._round.take():
+            self._outer_step()
+        self._take_global()  # the next round's start, alike everywhere (first sync: its own)
+
+        def undo() -> None:  # the exchange failed: nothing of this round stays
+            self._put_back(before)
+            self.syncs -= 1
+
+        self._round.launch(job, undo, [e.last_stats for e in self.encoders])
+        self.syncs += 1
+
+    def _receive(self) -> None:
+        """``overlap``: wait for the round in flight and count its bytes; its mean waits in
+        ``_mean`` for the merge. A failed round is undone and its error raised."""
+        assert self._round is not None
+        sent = self._round.wait()
+        if sent is not None:
+            self.bytes_sent += sent
+            self.dense_bytes += 4 * self.numel
 
     def _compute_delta(self) -> int:
         """Δ = global - local into the float32 buffer; the index of the first parameter whose
@@ -367,16 +439,19 @@ class LocalSteps:
                 "then resume from a checkpoint."
             )
 
-    def _dense_mean(self) -> None:
-        """Dense DiLoCo: the exact float32 mean of every rank's Δ into ``_mean``."""
+    def _dense_mean(self, group: Any) -> int:
+        """Dense DiLoCo: the exact float32 mean of every rank's Δ into ``_mean``; the bytes
+        this rank sent."""
         buf = self._delta.to(self.device)
-        collective(dist.all_reduce, buf, group=self._private.get(), timeout=self.timeout,
+        collective(dist.all_reduce, buf, group=group, timeout=self.timeout,
                    what="dense all-reduce", rank=self._rank)  # fmt: skip
         self._mean.copy_(buf).div_(self._divisor())
-        self.bytes_sent += 4 * self.numel
+        return 4 * self.numel
 
-    def _encoded_mean(self) -> None:
-        """Steps 2-5: decay, encode, exchange, validate and decode the mean into ``_mean``."""
+    def _encode(self) -> tuple[torch.Tensor | None, Exception | None, list[dict[str, Any]]]:
+        """Steps 2-3: decay and encode Δ into this rank's message (its parameters' pieces back
+        to back). Returns the message, the error if encoding failed, and every encoder's state
+        from before (a sync that fails puts it back)."""
         sizes = [p.numel() for p in self.params]
         sent: list[tuple[torch.Tensor | None, float]] = []
         mine, failure = None, None
@@ -395,44 +470,88 @@ class LocalSteps:
             )
         except Exception as e:
             failure = e
+        return mine, failure, before
+
+    def _encoded_mean(
+        self, mine: torch.Tensor | None, failure: Exception | None, group: Any, number: int
+    ) -> int:
+        """Steps 4-5 of round ``number``: exchange every rank's message, validate each whole and
+        decode their mean into ``_mean``; the bytes this rank sent. With ``failure`` (this rank
+        could not encode) the others raise naming it, and this rank raises it."""
+        sizes = [p.numel() for p in self.params]
+        messages = exchange_messages(
+            None if mine is None else mine.to(self.device), self.numel,
+            group=group, timeout=self.timeout, device=self.device,
+            failure=failure, max_words=sum(largest_message(p.numel()) for p in self.params),
+            round=number,
+        )  # fmt: skip
+        names = rank_names(self._world, group)
+        pieces = [
+            multipart.split_message(None if m is None else m.to(self.home), sizes, name, self.names)
+            for m, name in zip(messages, names, strict=True)
+        ]
+        for i, target in enumerate(self._pieces(self._mean)):
+            codec.decode_sum_([p[i] for p in pieces], target, divisor=self._divisor(),
+                              names=names, checked=True)  # fmt: skip
+        return 0 if mine is None else 4 * mine.numel()
+
+    def _undone_on_error(self, before: list[dict[str, Any]], exchange: Callable[[], int]) -> int:
+        """``exchange()``; if it raises, nothing of this sync stays: every encoder as it was."""
         try:
-            messages = exchange_messages(
-                None if mine is None else mine.to(self.device), self.numel,
-                group=self._private.get(), timeout=self.timeout, device=self.device,
-                failure=failure, max_words=sum(largest_message(p.numel()) for p in self.params),
-                round=self.syncs,
-            )  # fmt: skip
-            names = rank_names(self._world, self._private.get())
-            pieces = [
-                multipart.split_message(
-                    None if m is None else m.to(self.home), sizes, name, self.names
-                )
-                for m, name in zip(messages, names, strict=True)
-            ]
-            for i, target in enumerate(self._pieces(self._mean)):
-                codec.decode_sum_([p[i] for p in pieces], target, divisor=self._divisor(),
-                                  names=names, checked=True)  # fmt: skip
-        except BaseException:  # nothing of this sync stays: every encoder as it was
-            for enc, state in zip(self.encoders, before, strict=True):
-                enc.load_state_dict(state)
+            return exchange()
+        except BaseException:
+            self._put_back(before)
             raise
-        self.bytes_sent += 0 if mine is None else 4 * mine.numel()
+
+    def _put_back(self, before: list[dict[str, Any]]) -> None:
+        for enc, state in zip(self.encoders, before, strict=True):
+            enc.load_state_dict(state)
 
     def _outer_step(self) -> None:
-        """Steps 6-7: the outer optimizer steps the global copy; the model takes it."""
+        """Step 6: the outer optimizer steps the global copy with the mean in ``_mean``."""
         for g, m in zip(self.global_params, self._pieces(self._mean), strict=True):
             g.grad = m.view_as(g).to(g.dtype)
         self.outer.step()
-        for g, p in zip(self.global_params, self.params, strict=True):
+        for g in self.global_params:
             g.grad = None
+
+    def _take_global(self) -> None:
+        """Step 7: the model takes the global copy."""
+        for g, p in zip(self.global_params, self.params, strict=True):
             p.detach().copy_(g)
+
+    @torch.no_grad()
+    def flush(self) -> None:
+        """Merge the round in flight now (``overlap=True``; nothing to do without): wait for
+        its exchange, step the global copy with its mean and apply that to the model.
+
+        At a sync (no inner step since the last) the model takes the global copy, as at any
+        merge: the replicas are bit-identical. Between syncs each replica keeps its own moves
+        since the last sync and the merged step is added to them. Either way the next sync
+        has nothing to merge, as the first. If the exchange failed, its error is raised and
+        nothing is merged (every encoder is put back as it was before that round).
+        """
+        if self._round is None:
+            return
+        self._receive()
+        if not self._round.take():
+            return
+        if self.steps % self.sync_every == 0:
+            self._outer_step()
+            self._take_global()
+            return
+        old = [g.clone() for g in self.global_params]
+        self._outer_step()
+        for p, g, o in zip(self.params, self.global_params, old, strict=True):
+            p.detach().add_(g.sub(o).to(p.device, p.dtype))
 
     def metrics(self) -> dict[str, float]:
         """``bytes_sent``, ``dense_bytes``, ``compression``, ``density`` and ``threshold``
-        (the mean of the parameters' thresholds) of the last sync
+        (the mean of the parameters' thresholds) of the last sync whose exchange completed
         (:func:`~gradshare.distributed.metrics.share_metrics`)."""
-        return share_metrics(self.bytes_sent, self.dense_bytes,
-                             [e.last_stats for e in self.encoders])  # fmt: skip
+        shown = self._round
+        stats = shown.shown if shown is not None else [e.last_stats for e in self.encoders]
+        return share_metrics(self.bytes_sent, self.dense_bytes, stats)
 
     # ------------------------------------------------------------------ checkpointing
 
@@ -442,6 +561,7 @@ class LocalSteps:
             "density": self.density,
             "decay": self.decay,
             "dense": self.dense,
+            "overlap": self.overlap,
             "threshold": self._threshold_text(),
             "world_size": self._world,
             "rank": self._rank,
@@ -451,7 +571,16 @@ class LocalSteps:
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's global copy, residuals and threshold states, outer optimizer state,
-        counters and settings, in plain types (``torch.load(weights_only=True)`` reads it)."""
+        counters and settings, in plain types (``torch.load(weights_only=True)`` reads it).
+
+        With ``overlap``, a round in flight is waited for first (its error raised, as at a
+        sync) and ``pending`` holds its mean, merged at the next sync of the resumed run; it is
+        None when no round waits (and always without overlap)."""
+        pending = None
+        if self._round is not None:
+            self._receive()
+            if self._round.received:
+                pending = self._mean.clone()
         return {
             "format": FORMAT_VERSION,
             "settings": self._settings(),
@@ -462,6 +591,7 @@ class LocalSteps:
             "global": [g.detach().clone() for g in self.global_params],
             "encoders": [e.state_dict() for e in self.encoders],
             "outer": self.outer.state_dict(),
+            "pending": pending,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -469,16 +599,21 @@ class LocalSteps:
         any mismatch (another world size, rank, ``sync_every``, mode or model) or junk (a
         ValueError naming the field)."""
         state = check_mapping(state, "a LocalSteps state")
+        legacy = state.get("format") == 1  # from before overlap: saved without, none pending
+        if legacy:
+            state = {**state, "format": FORMAT_VERSION, "pending": None}
         missing = {"format", "settings", "steps", "syncs", "bytes_sent", "dense_bytes",
-                   "global", "encoders", "outer"} - set(state)  # fmt: skip
+                   "global", "encoders", "outer", "pending"} - set(state)  # fmt: skip
         if missing:
             raise ValueError(f"LocalSteps state is missing {sorted(missing)}: is it one?")
         if state["format"] != FORMAT_VERSION:
             raise ValueError(
-                f"LocalSteps state has format {state['format']!r}, this version reads "
+                f"LocalSteps state has format {state['format']!r}, this version reads 1 and "
                 f"{FORMAT_VERSION}: resume with the gradshare version that saved it."
             )
         here, saved = self._settings(), check_mapping(state["settings"], "`settings`")
+        if legacy:
+            saved = {"overlap": False, **saved}
         counters = {k: check_counter(state, k, "LocalSteps state")
                     for k in ("steps", "syncs", "bytes_sent", "dense_bytes")}  # fmt: skip
         differ = [k for k in here if saved.get(k) != here[k]]
@@ -519,8 +654,30 @@ class LocalSteps:
             if probe.residual is not None:
                 probe.residual = probe.residual.to(self.home)
             probes.append(probe)
+        pending = state["pending"]
+        if pending is not None and (
+            self._round is None
+            or not isinstance(pending, torch.Tensor)
+            or pending.dtype != torch.float32
+            or pending.shape != self._mean.shape
+            or not bool(pending.isfinite().all())
+        ):
+            want = "None" if self._round is None else (
+                f"None or a finite float32 vector of {self.numel} elements"
+            )  # fmt: skip
+            got = (f"{pending.dtype} of shape {tuple(pending.shape)}"
+                   if isinstance(pending, torch.Tensor) else type(pending).__name__)  # fmt: skip
+            raise ValueError(
+                f"LocalSteps state's `pending` (the mean of a round waiting for its merge) must "
+                f"be {want}, got {got}: the checkpoint is of another model or corrupted."
+            )
         copy.deepcopy(self.outer).load_state_dict(state["outer"])  # refuses another's state
         # everything checked: change
+        if self._round is not None:
+            self._round.drop()  # what was in flight is replaced by the state
+            self._round.received = pending is not None
+            if pending is not None:
+                self._mean.copy_(pending)
         self.outer.load_state_dict(state["outer"])
         for g, t in zip(self.global_params, glob, strict=True):
             g.copy_(t)
@@ -533,7 +690,16 @@ class LocalSteps:
     # ------------------------------------------------------------------ lifetime
 
     def close(self) -> None:
-        """Stop syncing: remove the step hook (or the grad scaler's counting)."""
+        """Stop syncing: merge the round in flight (:meth:`flush`, with ``overlap``), then
+        remove the step hook (or the grad scaler's counting), also when the merge raises."""
+        try:
+            self.flush()
+        finally:
+            self._unhook()
+            if self._round is not None:
+                self._round.close()
+
+    def _unhook(self) -> None:
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
@@ -544,14 +710,17 @@ class LocalSteps:
     def __enter__(self) -> LocalSteps:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, error: object, *exc: object) -> None:
+        if error is None:
+            self.close()
+        else:  # an error on its way (a peer may be gone): stop syncing, wait for nothing
+            self._unhook()
 
     def __repr__(self) -> str:
         mode = "dense" if self.dense else self._threshold_text()
         return (
             f"LocalSteps(sync_every={self.sync_every}, {mode}, decay={self.decay}, "
-            f"outer={self._outer_text})"
+            f"outer={self._outer_text}{', overlap=True' if self.overlap else ''})"
         )
 
 
@@ -618,10 +787,10 @@ def _check_arguments(
             f"Expect `threshold` to be a ThresholdAlgorithm or None, got "
             f"{type(threshold).__name__}: wrap a number as FixedThreshold(t)."
         )
-    if overlap:
-        raise NotImplementedError(
-            "`overlap=True` (exchanging a sync in the background during the next local steps) "
-            "is not implemented yet: pass overlap=False."
+    if not isinstance(overlap, bool):
+        raise TypeError(
+            f"Expect `overlap` to be a bool, got {overlap!r}: pass overlap=True to exchange "
+            "each sync in the background and merge it one round later."
         )
     if not any(True for _ in model.parameters()):
         raise ValueError("Expect a model with parameters: there is nothing to sync.")
