@@ -6,12 +6,10 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: demo test lint typecheck bench clean
 
-# --no-compile: pip would byte-compile every module it installs (~35 s, mostly transformers
-# and torch); Python compiles the few that are imported, on their first import.
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q --no-compile -c constraints.txt -e '.[dev]'
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[dev]'
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -20,6 +20,9 @@ with the settings a user gets by default:
 * ``hook-1%``: the same hook with ``threshold=gradshare.QuantileThreshold(0.01)``: t set each
   step so that about 1% of the elements go out (about PowerSGD-4's bytes on this GPT);
 * ``shared``: ``gradshare.SharedOptimizer(adamw)`` with its defaults (no DDP);
+* ``local``, ``local-overlap``: ``gradshare.LocalSteps(model, adamw, sync_every=10)`` with
+  its defaults, and with ``overlap=True`` (no DDP); timed over whole rounds of 10 steps, each
+  ending with its sync, after one untimed round; ``ms/step`` is their mean, not the median;
 
 and ``compute``: the same forward, backward and optimizer step with no exchange at all
 (measured first and last; the faster is kept, so a slow moment cannot shrink ``exchange``).
@@ -76,11 +79,14 @@ from _env import environment, free_port, timed_steps
 from _models import gpt, lm_loss, powersgd_bytes, text, text_batch, vocab_size
 
 RESULTS = Path(__file__).resolve().parent / "results"
-METHODS = ["compute", "dense", "fp16", "powersgd-1", "powersgd-4", "hook", "hook-1%", "shared"]
+METHODS = ["compute", "dense", "fp16", "powersgd-1", "powersgd-4", "hook", "hook-1%", "shared",
+           "local", "local-overlap"]  # fmt: skip
+LOCAL_H = 10
+"""``sync_every`` of the ``local`` methods."""
 MODELS = ["gpt", "square"]
 LAYERS = 5
 WARMUP = {"dense": 2, "fp16": 2, "powersgd-1": 3, "powersgd-4": 3, "hook": 10, "hook-1%": 10,
-          "shared": 10, "compute": 2}  # fmt: skip
+          "shared": 10, "compute": 2, "local": LOCAL_H, "local-overlap": LOCAL_H}  # fmt: skip
 BUDGET_S = 60.0
 """Most seconds of timed steps per method (at least 2 steps are timed)."""
 RATES = ["none", "1gbit", "100mbit"]
@@ -155,6 +161,10 @@ def _method(method: str, rank: int, world: int, model: str, numel: int, steps: i
         state = gradshare.register_threshold_hook(run, threshold=threshold)  # type: ignore[arg-type]
     elif method == "shared":
         opt = gradshare.SharedOptimizer(opt)
+    local = None
+    if method.startswith("local"):
+        local = gradshare.LocalSteps(net, opt, sync_every=LOCAL_H,
+                                     overlap=method == "local-overlap")  # fmt: skip
     sent0 = [0]
 
     def step(i: int) -> None:
@@ -163,10 +173,17 @@ def _method(method: str, rank: int, world: int, model: str, numel: int, steps: i
         opt.step()
 
     def at_warmup() -> None:
-        sent0[0] = state.bytes_sent if state is not None else getattr(opt, "bytes_sent", 0)
+        counter = state or local or opt
+        sent0[0] = getattr(counter, "bytes_sent", 0)
 
-    times = timed_steps(step, steps=steps, warmup=WARMUP[method], budget_s=BUDGET_S,
-                        at_warmup=at_warmup)  # fmt: skip
+    if local is None:
+        times = timed_steps(step, steps=steps, warmup=WARMUP[method], budget_s=BUDGET_S,
+                            at_warmup=at_warmup)  # fmt: skip
+    else:  # whole rounds, each ending with its sync, after a first round (and sync) untimed
+        rounds = max(2, -(-steps // LOCAL_H))
+        times = timed_steps(step, steps=rounds * LOCAL_H, warmup=LOCAL_H,
+                            budget_s=float("inf"), at_warmup=at_warmup)  # fmt: skip
+        local.close()  # the last round in flight is merged (not timed)
     n = sum(p.numel() for p in params)
     density = None
     if method == "compute":
@@ -177,12 +194,18 @@ def _method(method: str, rank: int, world: int, model: str, numel: int, steps: i
         sent = 2.0 * n
     elif method.startswith("powersgd"):
         sent = float(powersgd_bytes(net, int(method.split("-")[1])))
+    elif local is not None:  # bytes of the rounds whose exchange completed while timed
+        sent = (local.bytes_sent - sent0[0]) / len(times)
+        density = max(sent * LOCAL_H / 4 - 4 * len(params), 0) / n
     else:
         total = state.bytes_sent if state is not None else opt.bytes_sent  # type: ignore[attr-defined]
         sent = (total - sent0[0]) / len(times)
         messages = len(state.encoders) if state is not None else 1
         density = max(sent / 4 - 4 * messages, 0) / n  # sparse: entries plus a header each
-    return {"method": method, "numel": n, "ms": statistics.median(times) * 1e3, "bytes": sent,
+    # the local methods' steps differ by design (a sync every LOCAL_H-th): their mean over
+    # whole rounds; every other method's steps are alike: their median
+    ms = (statistics.mean(times) if local is not None else statistics.median(times)) * 1e3
+    return {"method": method, "numel": n, "ms": ms, "bytes": sent,
             "density": density, "steps": len(times)}  # fmt: skip
 
 

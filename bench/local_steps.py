@@ -37,6 +37,11 @@ Methods:
   ``h`` steps the parameters are all-reduced and averaged (dense model averaging; 4 bytes per
   element per average; no DDP comm hook, whose intra-node subgroup would all-reduce every step
   on one host).
+* ``torchft`` / ``torchft-H{h}``: torchft's ``DiLoCo`` (0.2.0, bench-only: ``pip install -c
+  constraints.txt torchft==0.2.0``) as published: a ``LighthouseServer`` in the parent, per
+  rank a replica group of one (its own TCPStore, ``Manager(ProcessGroupGloo(),
+  use_async_quorum=False, init_sync=False)``), outer Nesterov SGD 0.7 / 0.9, dense float32.
+* ``-overlap`` (after any ``local`` method): ``overlap=True``, the one-round delay.
 * ``shared-ddp``: ``SharedOptimizer(opt, threshold=QuantileThreshold(0.01), ddp=net)`` (as
   ``bench/workloads.py``'s ``shared-ddp-1%``): the best every-step gradshare path.
 
@@ -57,6 +62,7 @@ from __future__ import annotations
 
 import argparse
 import fcntl
+import itertools
 import json
 import os
 import re
@@ -82,9 +88,12 @@ from workloads import WORKLOADS, Data, _numel
 RESULTS = Path(__file__).resolve().parent / "results"
 DILOCO_LR, DILOCO_MOMENTUM = 0.7, 0.9
 METHOD = re.compile(
-    r"^(?P<kind>local|diloco-dense|postlocal)(-H(?P<h>\d+))?(-d(?P<pct>[\d.]+))?"
-    r"(-lr(?P<lr>[\d.]+))?(-b(?P<beta>[\d.]+))?(?P<mean>-mean)?(?P<nesterov>-nesterov)?$"
+    r"^(?P<kind>local|diloco-dense|postlocal|torchft)(-H(?P<h>\d+))?(-d(?P<pct>[\d.]+))?"
+    r"(-lr(?P<lr>[\d.]+))?(-b(?P<beta>[\d.]+))?(?P<mean>-mean)?(?P<nesterov>-nesterov)?"
+    r"(?P<overlap>-overlap)?$"
 )
+_TORCHFT_RUNS = itertools.count()
+"""torchft runs in this rank so far: each run's replicas join the lighthouse under new ids."""
 
 
 @dataclass
@@ -97,6 +106,8 @@ class Method:
     close: Callable[[], None] = lambda: None
     settings: dict[str, Any] | None = None
     """LocalSteps' resolved settings (density, decay, outer optimizer) for the record."""
+    keep: tuple[Any, ...] = ()
+    """What must live as long as the run (torchft's TCPStore)."""
 
 
 def check_method(name: str) -> str:
@@ -118,6 +129,8 @@ def build(name: str, model: nn.Module, opt: torch.optim.Optimizer, steps: int) -
 
         post = PostLocalSGDOptimizer(opt, PeriodicModelAverager(period=h, warmup_steps=0))
         return Method(model, post, lambda: 4.0 * _numel(model) * (steps // h))
+    if m["kind"] == "torchft":
+        return _torchft(model, opt, h, steps)
     import gradshare
 
     kwargs: dict[str, Any] = {}
@@ -137,12 +150,54 @@ def build(name: str, model: nn.Module, opt: torch.optim.Optimizer, steps: int) -
             kwargs["decay"] = float(m["beta"])
         if m["mean"]:
             kwargs["magnitude"] = "mean"
+        if m["overlap"]:
+            kwargs["overlap"] = True
     sync = gradshare.LocalSteps(model, opt, sync_every=h, **kwargs)
     outer = sync.outer.param_groups[0]
     settings = {"sync_every": h, "density": sync.density, "decay": sync.decay,
                 "magnitude": sync.magnitude, "outer": type(sync.outer).__name__,
                 "outer_lr": outer["lr"], "outer_momentum": outer.get("momentum", 0.0)}  # fmt: skip
     return Method(model, opt, lambda: float(sync.bytes_sent), sync.close, settings)
+
+
+def _torchft(model: nn.Module, opt: torch.optim.Optimizer, h: int, steps: int) -> Method:
+    """torchft's ``DiLoCo`` as published: one replica group per rank (world size 1 inside),
+    a TCPStore of its own, a ``Manager`` that joins the parent's lighthouse, DiLoCo's outer
+    Nesterov SGD 0.7 / 0.9; dense float32 pseudo-gradients all-reduced every ``h`` steps."""
+    from datetime import timedelta
+
+    from torchft import Manager, ProcessGroupGloo
+    from torchft.local_sgd import DiLoCo
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    manager = Manager(
+        pg=ProcessGroupGloo(), load_state_dict=None, state_dict=None, min_replica_size=world,
+        use_async_quorum=False, init_sync=False, replica_id=f"r{rank}-{next(_TORCHFT_RUNS)}",
+        rank=0, world_size=1, store_addr="127.0.0.1", store_port=port,
+        lighthouse_addr=os.environ["BENCH_LIGHTHOUSE"], hostname="127.0.0.1",
+        timeout=timedelta(seconds=120),
+    )  # fmt: skip
+    outer = torch.optim.SGD(model.parameters(), lr=DILOCO_LR, momentum=DILOCO_MOMENTUM,
+                            nesterov=True)  # fmt: skip
+    diloco = DiLoCo(manager, [model], opt, outer, sync_every=h)
+    diloco.__enter__()
+
+    def close() -> None:
+        diloco.__exit__(None, None, None)
+        manager.shutdown()
+
+    settings = {"sync_every": h, "outer": "SGD", "outer_lr": DILOCO_LR,
+                "outer_momentum": DILOCO_MOMENTUM, "torchft": _version("torchft")}  # fmt: skip
+    return Method(model, opt, lambda: 4.0 * _numel(model) * (steps // h), close, settings,
+                  keep=(store,))  # fmt: skip
+
+
+def _version(package: str) -> str:
+    from importlib.metadata import version
+
+    return version(package)
 
 
 def _identical(model: nn.Module, world: int) -> bool:
@@ -293,7 +348,8 @@ def table(rs: list[Row]) -> str:
 COLOURS = {"dense": ("DDP (dense)", "black", "o"), "local": ("LocalSteps", "tab:blue", "^"),
            "diloco": ("LocalSteps dense, Nesterov 0.7/0.9", "tab:purple", "v"),
            "postlocal": ("torch PostLocalSGD", "tab:orange", "s"),
-           "shared": ("SharedOptimizer(ddp) 1%", "tab:green", "D")}  # fmt: skip
+           "shared": ("SharedOptimizer(ddp) 1%", "tab:green", "D"),
+           "torchft": ("torchft DiLoCo, Nesterov 0.7/0.9", "tab:red", "P")}  # fmt: skip
 
 
 def plot(rs: list[Row], path: Path) -> None:
@@ -360,8 +416,17 @@ def main(argv: list[str] | None = None) -> None:
     steps = args.steps or WORKLOADS[args.workload].steps
     command = "python bench/local_steps.py " + " ".join(sys.argv[1:] if argv is None else argv)
     os.environ["OMP_NUM_THREADS"] = "1"
+    lighthouse = None
+    if any(m.startswith("torchft") for m in args.methods):  # torchft's coordinator, as published
+        from torchft._torchft import LighthouseServer
+
+        lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=args.world)
+        os.environ.update(BENCH_LIGHTHOUSE=lighthouse.address(), GLOO_SOCKET_IFNAME="lo",
+                          RUST_LOG="warn")  # fmt: skip
     mp.spawn(_rank, args=(args.world, free_port(), args.workload, args.methods, args.seeds, steps,
                           str(args.out), command), nprocs=args.world)  # fmt: skip
+    if lighthouse is not None:
+        lighthouse.shutdown()
     report([args.out])
     print(f"\nsaved {args.out} and {args.out.with_suffix('.png')}")
 
