@@ -418,6 +418,9 @@ def _rank_resume(rank: int, world: int, tmp: str, part: str, overlap: bool = Fal
         wrong = {**saved, "settings": {**saved["settings"], "world_size": 3}}
         with pytest.raises(ValueError, match="`world_size` 3 saved, 2 here"):
             sync.load_state_dict(wrong)
+        wrong = {**saved, "global": 7}  # junk where a list belongs: a ValueError, not len()'s
+        with pytest.raises(ValueError, match="`encoders` and `global` must be lists"):
+            sync.load_state_dict(wrong)
         wrong = {**saved, "settings": {**saved["settings"], "overlap": not overlap}}
         with pytest.raises(ValueError, match=f"`overlap` {not overlap} saved, {overlap} here"):
             sync.load_state_dict(wrong)

@@ -624,6 +624,9 @@ class LocalSteps:
                 + ": each rank loads the state its own rank saved, with the same arguments, "
                 "model and world size."
             )
+        if not isinstance(state["encoders"], list) or not isinstance(state["global"], list):
+            raise ValueError("LocalSteps state's `encoders` and `global` must be lists: the "
+                             "checkpoint is corrupted.")  # fmt: skip
         glob = state["global"]
         if len(glob) != len(self.params) or any(
             not isinstance(t, torch.Tensor) or t.shape != g.shape or not bool(t.isfinite().all())
@@ -633,9 +636,6 @@ class LocalSteps:
                 "LocalSteps state's global copy does not match the model's parameters (count, "
                 "shape) or is not finite: the checkpoint is of another model or corrupted."
             )
-        if not isinstance(state["encoders"], list) or not isinstance(state["global"], list):
-            raise ValueError("LocalSteps state's `encoders` and `global` must be lists: the "
-                             "checkpoint is corrupted.")  # fmt: skip
         if len(state["encoders"]) != len(self.encoders):
             raise ValueError(
                 f"LocalSteps state holds {len(state['encoders'])} encoder states, this one has "
