@@ -173,7 +173,7 @@ def _method(method: str, rank: int, world: int, model: str, numel: int, steps: i
         opt.step()
 
     def at_warmup() -> None:
-        counter = state or local or opt
+        counter = next(c for c in (state, local, opt) if c is not None)
         sent0[0] = getattr(counter, "bytes_sent", 0)
 
     if local is None:
@@ -181,7 +181,7 @@ def _method(method: str, rank: int, world: int, model: str, numel: int, steps: i
                             at_warmup=at_warmup)  # fmt: skip
     else:  # whole rounds, each ending with its sync, after a first round (and sync) untimed
         rounds = max(2, -(-steps // LOCAL_H))
-        times = timed_steps(step, steps=rounds * LOCAL_H, warmup=LOCAL_H,
+        times = timed_steps(step, steps=rounds * LOCAL_H, warmup=WARMUP[method],
                             budget_s=float("inf"), at_warmup=at_warmup)  # fmt: skip
         local.close()  # the last round in flight is merged (not timed)
     n = sum(p.numel() for p in params)
