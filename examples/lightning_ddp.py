@@ -88,7 +88,7 @@ def bytes_sent(strategy: GradshareDDPStrategy, model: L.LightningModule) -> tupl
     return opt.bytes_sent, 4 * numel * opt.iteration
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--steps-per-epoch", type=int, default=10, help="batches per epoch")
@@ -107,7 +107,7 @@ def main() -> None:
         "--resume-without-rank-files", action="store_true",
         help="resume a checkpoint saved without gradshare (plain ddp): empty residuals",
     )  # fmt: skip
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     if args.share == "local":  # LocalSteps' own threshold: a quantile of each sync's moves

@@ -4,9 +4,9 @@ where a plain-DDP run with the same hook and the same batches ends."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -25,14 +25,18 @@ from world import selected, spawn
 ROOT = Path(__file__).resolve().parents[1]
 WORLD = 2
 INSTALL = "pip install -e '.[integrations]'"
+TORCHRUN = ("-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}")
 
 
-def run_script(path: Path, *args: str | Path) -> subprocess.CompletedProcess[str]:
-    """Run a script of this checkout with its ``src`` importable, one thread per process."""
+def run_script(
+    path: Path, *args: str | Path, launcher: tuple[str, ...] = ()
+) -> subprocess.CompletedProcess[str]:
+    """Run a script of this checkout with its ``src`` importable, one thread per process
+    (``launcher``: the module that starts it, e.g. torchrun's)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
     return subprocess.run(
-        [sys.executable, str(path), *map(str, args)],
+        [sys.executable, *launcher, str(path), *map(str, args)],
         capture_output=True, text=True, timeout=240, env=env, cwd=ROOT,
     )  # fmt: skip
 
@@ -114,26 +118,17 @@ def plain_ddp(*args: Any) -> torch.Tensor:
     return results[0]
 
 
-def _lightning_fit(tmp: Path, share: str) -> dict[str, Any]:
-    """A fit straight through (checkpointed at each epoch's end), the fit resumed from the
-    first checkpoint in new processes, and plain DDP, which runs meanwhile."""
-    ckpt = tmp / "ckpt"
-    epochs = ["--share", share, "--steps-per-epoch", "3"]
+def _lightning_fits(tmp: Path) -> dict[str, Any]:
+    """``tests/lightning_fits.py``: its seven fits in one torchrun launch (the two shares
+    straight through and resumed, the spoiled checkpoints), and plain DDP for both shares,
+    which runs meanwhile."""
     with ThreadPoolExecutor(1) as meanwhile:
-        oracle = meanwhile.submit(plain_ddp, "lightning", 2, 3, share)
-        straight = run_example(
-            "lightning_ddp.py", *epochs, "--epochs", "2", "--checkpoint-dir", ckpt,
-            "--out", tmp / "straight.pt",
-        )  # fmt: skip
-        first = ckpt / "step=3.ckpt"
-        if first.exists():
-            link = ckpt / "last.ckpt"  # as ModelCheckpoint(save_last="link") makes it
-            link.symlink_to(first.name)
-            run_example(
-                "lightning_ddp.py", *epochs, "--epochs", "2", "--resume", link,
-                "--out", tmp / "resumed.pt",
-            )  # fmt: skip
-        return {"straight": straight, "ckpt": ckpt, "tmp": tmp, "oracle": oracle.result()}
+        oracles = {share: meanwhile.submit(plain_ddp, "lightning", 2, 3, share)
+                   for share in ("gradients", "updates")}  # fmt: skip
+        run = run_script(ROOT / "tests" / "lightning_fits.py", tmp, launcher=TORCHRUN)
+        assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+        fits = [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(WORLD)]
+        return {"fits": fits, "tmp": tmp, "oracles": {s: f.result() for s, f in oracles.items()}}
 
 
 def _accelerate_run(tmp: Path) -> dict[str, Any]:
@@ -190,17 +185,11 @@ def runs(
     once the first has imported everything), so they overlap well. A test waits for its own
     runs; any failure of theirs is raised there."""
     jobs: dict[str, Callable[[], dict[str, Any]]] = {}
-    if importlib.util.find_spec("lightning") is not None:
-        shares = {
-            params["share"]
-            for params in selected(
-                request, "test_resumed_fit_matches_the_straight_fit_and_plain_ddp"
-            )
-        }
-        if selected(request, "test_stale_and_plain_checkpoints"):
-            shares.add("gradients")  # its checkpoint, copied, is that test's to spoil
-        for share in sorted(shares):
-            jobs[share] = partial(_lightning_fit, tmp_path_factory.mktemp(share), share)
+    if importlib.util.find_spec("lightning") is not None and (
+        selected(request, "test_resumed_fit_matches_the_straight_fit_and_plain_ddp")
+        or selected(request, "test_stale_and_plain_checkpoints")
+    ):
+        jobs["lightning"] = partial(_lightning_fits, tmp_path_factory.mktemp("lightning"))
     if importlib.util.find_spec("accelerate") is not None and selected(
         request, "test_resumed_run_matches_the_straight_run_and_plain_ddp"
     ):
@@ -222,25 +211,29 @@ def runs(
 
 
 class TestLightning:
-    """``GradshareDDPStrategy``, sharing gradients (the hook) or updates (SharedOptimizer): a
-    fit resumed from a checkpoint in new processes ends at the parameters of the fit that ran
-    straight through, and both at those of plain DDP."""
+    """``GradshareDDPStrategy``, sharing gradients (the hook), updates (SharedOptimizer) or
+    local steps: a fit resumed from a checkpoint ends at the parameters of the fit that ran
+    straight through, and, sharing gradients or updates, both at those of plain DDP. Local
+    steps resume in new processes; the other two in the same processes, with a fresh model,
+    strategy and Trainer (``tests/lightning_fits.py``)."""
 
     @pytest.mark.parametrize("share", ["gradients", "updates"])
     def test_resumed_fit_matches_the_straight_fit_and_plain_ddp(
         self, runs: dict[str, Future[dict[str, Any]]], share: str
     ) -> None:
         pytest.importorskip("lightning", reason=f"needs Lightning: {INSTALL}")
-        run = runs[share].result()
-        assert "x less" in run["straight"].stdout
-        ckpt = run["ckpt"]
+        run = runs["lightning"].result()
+        for fit in (f"{share}-straight", f"{share}-resumed"):
+            assert [ranks[fit][1] for ranks in run["fits"]] == [None] * WORLD, run["fits"]
+            assert "x less" in run["fits"][0][fit][0]
+        ckpt = run["tmp"] / share / "ckpt"
         first = ckpt / "step=3.ckpt"
         assert first.exists(), sorted(p.name for p in ckpt.iterdir())
         assert_rank_files([lightning_rank_file(first, r) for r in range(WORLD)])
-        whole = torch.load(run["tmp"] / "straight.pt", weights_only=True)
-        resumed = torch.load(run["tmp"] / "resumed.pt", weights_only=True)
+        whole = torch.load(run["tmp"] / share / "straight.pt", weights_only=True)
+        resumed = torch.load(run["tmp"] / share / "resumed.pt", weights_only=True)
         assert torch.equal(whole, resumed)
-        assert torch.equal(whole, run["oracle"])
+        assert torch.equal(whole, run["oracles"][share])
 
     def test_local_steps_resume_bit_for_bit(self, runs: dict[str, Future[dict[str, Any]]]) -> None:
         """``share="local"``: no all-reduce, LocalSteps syncs every 2 steps; saved at step 3,
@@ -258,35 +251,22 @@ class TestLightning:
         resumed = torch.load(run["tmp"] / "resumed.pt", weights_only=True)
         assert torch.equal(whole, resumed)
 
-    def test_stale_and_plain_checkpoints(
-        self, runs: dict[str, Future[dict[str, Any]]], tmp_path: Path
-    ) -> None:
+    def test_stale_and_plain_checkpoints(self, runs: dict[str, Future[dict[str, Any]]]) -> None:
         """A rank file left from the save before was accepted (exit 0, other parameters); a
-        checkpoint of plain "ddp" (no rank files) could not be resumed at all: now refused,
-        unless ``resume_without_rank_files=True``. On a copy of the ``[gradients]`` fit's
-        first checkpoint (step 3, the end of its first epoch)."""
+        checkpoint of plain "ddp" (no rank files) could not be resumed at all: now refused on
+        every rank, unless ``resume_without_rank_files=True``. On a copy of the gradients
+        fit's first checkpoint (step 3, the end of its first epoch)."""
         pytest.importorskip("lightning", reason=f"needs Lightning: {INSTALL}")
-        ckpt = tmp_path / "ckpt"
-        shutil.copytree(runs["gradients"].result()["ckpt"], ckpt, symlinks=True)
-        epochs = ["--share", "gradients", "--steps-per-epoch", "3", "--epochs", "2"]
-        saved = ckpt / "step=3.ckpt"
-        assert torch.load(saved, weights_only=False)["gradshare"]["step"] == 3
-        make_stale(lightning_rank_file(saved, 1))
-        stale = run_example("lightning_ddp.py", *epochs, "--resume", saved, fails=True)
-        assert f"{lightning_rank_file(saved, 1)} is from another save" in stale.stderr
-        assert "the file is of step 2, the checkpoint of step 3" in stale.stderr
-
-        checkpoint = torch.load(saved, weights_only=False)
-        del checkpoint["gradshare"]
-        torch.save(checkpoint, saved)  # as plain "ddp" saves it: no token, no rank files
-        for r in range(WORLD):
-            lightning_rank_file(saved, r).unlink()
-        plain = run_example("lightning_ddp.py", *epochs, "--resume", saved, fails=True)
-        assert "resume_without_rank_files=True" in plain.stderr
-        resumed = run_example(
-            "lightning_ddp.py", *epochs, "--resume", saved, "--resume-without-rank-files"
-        )
-        assert "step 6:" in resumed.stdout
+        run = runs["lightning"].result()
+        saved = run["tmp"] / "spoiled" / "step=3.ckpt"
+        own, other = (ranks["stale"][1] or "" for ranks in run["fits"])
+        assert f"{lightning_rank_file(saved, 1)} is from another save" in other, other
+        assert "the file is of step 2, the checkpoint of step 3" in other
+        assert "Rank(s) [1] could not load their gradshare rank file" in own, own
+        for ranks in run["fits"]:
+            assert "resume_without_rank_files=True" in (ranks["plain"][1] or ""), ranks["plain"]
+            assert ranks["plain-allowed"][1] is None, ranks["plain-allowed"]
+        assert "step 6:" in run["fits"][0]["plain-allowed"][0]
 
     def test_process_group_timeout_follows_gradshare_timeout(self) -> None:
         """Lightning broadcasts on the default group every step, under DDPStrategy's timeout

@@ -1,0 +1,100 @@
+"""Seven fits of ``examples/lightning_ddp.py`` in the same 2 processes, under torchrun: each
+Lightning process spends ~6 s of CPU importing Lightning, ten times what a fit of the example
+takes, so ``tests/test_integrations.py`` runs these in one launch rather than seven.
+
+Every fit calls the example's ``main`` with a fresh model, strategy and Trainer; what one fit
+leaves in the process (the process group) the next one reuses, as Lightning does under
+torchrun. In order, each ``--steps-per-epoch 3 --epochs 2``:
+
+1. ``--share gradients`` straight through, checkpointed at each epoch's end, then resumed from
+   ``step=3.ckpt`` (through a ``last.ckpt`` link, as ``ModelCheckpoint(save_last="link")``
+   makes it); the same for ``--share updates``.
+2. On a copy of the gradients fit's checkpoint: rank 1's file left from the save before
+   (refused), then the checkpoint as plain ``ddp`` saves it, without rank files (refused, then
+   resumed with ``--resume-without-rank-files``).
+
+    python -m torch.distributed.run --standalone --nproc_per_node=2 tests/lightning_fits.py TMP
+
+Rank r writes ``TMP/rank{r}.json``: each refused fit's error and each fit's printed lines;
+rank 0 also the parameters (``TMP/{share}/straight.pt``, ``resumed.pt``, ``TMP/plain.pt``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import shutil
+import sys
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+import lightning_ddp
+
+from gradshare.integrations import lightning_rank_file
+from test_integrations import WORLD, make_stale
+
+EPOCHS = ["--steps-per-epoch", "3", "--epochs", "2"]
+
+
+def fit(*args: str | Path) -> tuple[str, str | None]:
+    """One fit; what it printed, and its error (None when it ended)."""
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            lightning_ddp.main([*map(str, args)])
+    except Exception as e:  # a refusal: every rank raises alike, and the next fit goes on
+        return out.getvalue(), f"{type(e).__name__}: {e}"
+    return out.getvalue(), None
+
+
+def on_rank_zero(action: Callable[[], object]) -> None:
+    """``action()`` on rank 0 while the other waits (rank 0 arranges the files)."""
+    if dist.get_rank() == 0:
+        action()
+    dist.barrier()
+
+
+def main() -> None:
+    tmp = Path(sys.argv[1])
+    results: dict[str, tuple[str, str | None]] = {}
+    for share in ("gradients", "updates"):
+        ckpt = tmp / share / "ckpt"
+        args = ["--share", share, *EPOCHS]
+        results[f"{share}-straight"] = fit(*args, "--checkpoint-dir", ckpt,
+                                           "--out", tmp / share / "straight.pt")  # fmt: skip
+        link = ckpt / "last.ckpt"
+        on_rank_zero(partial(link.symlink_to, "step=3.ckpt"))
+        results[f"{share}-resumed"] = fit(*args, "--resume", link,
+                                          "--out", tmp / share / "resumed.pt")  # fmt: skip
+
+    saved = tmp / "spoiled" / "step=3.ckpt"
+    args = ["--share", "gradients", *EPOCHS, "--resume", saved]
+
+    def copy_and_spoil() -> None:
+        shutil.copytree(tmp / "gradients" / "ckpt", saved.parent, symlinks=True)
+        make_stale(lightning_rank_file(saved, 1))
+
+    on_rank_zero(copy_and_spoil)
+    results["stale"] = fit(*args)
+
+    def as_plain_ddp_saves_it() -> None:
+        checkpoint = torch.load(saved, weights_only=False)
+        del checkpoint["gradshare"]
+        torch.save(checkpoint, saved)  # no token, no rank files
+        for r in range(WORLD):
+            lightning_rank_file(saved, r).unlink()
+
+    on_rank_zero(as_plain_ddp_saves_it)
+    results["plain"] = fit(*args)
+    results["plain-allowed"] = fit(*args, "--resume-without-rank-files", "--out", tmp / "plain.pt")
+    (tmp / f"rank{dist.get_rank()}.json").write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
