@@ -258,7 +258,9 @@ class TestLightning:
         fit's first checkpoint (step 3, the end of its first epoch)."""
         pytest.importorskip("lightning", reason=f"needs Lightning: {INSTALL}")
         run = runs["lightning"].result()
-        saved = run["tmp"] / "spoiled" / "step=3.ckpt"
+        saved = run["tmp"] / "spoiled" / "step=3.ckpt"  # a copy of the gradients fit's
+        original = torch.load(run["tmp"] / "gradients" / "ckpt" / saved.name, weights_only=False)
+        assert original["gradshare"]["step"] == 3
         own, other = (ranks["stale"][1] or "" for ranks in run["fits"])
         assert f"{lightning_rank_file(saved, 1)} is from another save" in other, other
         assert "the file is of step 2, the checkpoint of step 3" in other
