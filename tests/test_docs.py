@@ -120,9 +120,13 @@ BLOCKS = python_blocks()
 
 def _worker(spec_path: str, role: str) -> None:
     """Run this role's blocks in order; one JSON line of result per block into ``role``.jsonl."""
+    import faulthandler
+
     import torch
     import torch.distributed as dist
 
+    # a rank still running shortly before the runner kills it shows where it waits
+    faulthandler.dump_traceback_later(TIMEOUT_S - 15, exit=False)
     torch.set_num_threads(1)
     spec = json.loads(Path(spec_path).read_text())
     out = Path(spec_path).with_name(f"{role}.jsonl")

@@ -90,6 +90,11 @@ def _rank_watch(rank: int, world: int) -> dict:
         seen["after"] = _inflight.drain(timeout=20)
     seen["left"] = len(_inflight.watched())
     seen["table"] = torch.stack(table).tolist()
+    held = 0
+    for _ in range(50):  # each call returns with its work dropped by the backend
+        collective(dist.all_gather, table, mine, timeout=timedelta(seconds=20), what="x", rank=rank)
+        held += bool(_inflight.watched())
+    seen["held"] = held
     return seen
 
 
@@ -102,3 +107,5 @@ def test_drain_waits_until_the_backend_drops_the_work() -> None:
     assert zero["after"] is True and one["after"] is True
     assert zero["left"] == one["left"] == 0
     assert zero["table"] == one["table"] == [[0.0] * 3, [1.0] * 3]
+    # a work still held when the call returned could deadlock a later destroy_process_group
+    assert zero["held"] == one["held"] == 0

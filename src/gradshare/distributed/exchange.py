@@ -70,17 +70,20 @@ def collective(
 ) -> None:
     """Run the collective ``op(*tensors, **kwargs)`` (``dist.all_gather``, ``dist.broadcast``,
     …) asynchronously and wait for it; on failure or timeout raise :class:`ExchangeError`
-    naming ``what`` and this ``rank``. Its tensors are watched until the backend drops the
-    work, so that the process can exit cleanly right after (see
-    :mod:`gradshare.distributed._inflight`).
+    naming ``what`` and this ``rank``. Once it has completed, the call returns only after the
+    backend has dropped its work, so that the process can exit, or destroy the group, cleanly
+    right after (see :mod:`gradshare.distributed._inflight`).
     """
     work = _inflight.issue(lambda: op(*tensors, async_op=True, **kwargs), tensors)
     start = time.monotonic()
     try:
         work.wait(timeout)
-        return
     except Exception as e:
         error = e
+    else:  # the backend lets go of the work before the call returns (see _inflight)
+        del work
+        _inflight.settle(tensors, SETTLE_S)
+        return
     # the traceback keeps this frame until exit: it must not keep the work, or the backend
     # could not drop it before exit (see _close_all)
     del work
@@ -100,6 +103,10 @@ def collective(
         f"{timeout.total_seconds():g} s): {cause}. Original error: {text}"
     ) from error
 
+
+SETTLE_S = 5.0
+"""How long a completed collective waits for the backend to drop its work (microseconds as a
+rule; past this it returns anyway, and the work is left to the drain at exit)."""
 
 _MISMATCH = ("EnforceNotMet", "collective mismatch", "size doesn't match", "size mismatch")
 """What a backend's error says when the ranks' collectives did not match."""

@@ -39,8 +39,11 @@ def count_ranks_on_host(group: Any = None) -> int:
     if dist.get_backend(group) == "nccl":
         mine = mine.cuda()
     hosts = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    _inflight.issue(lambda: dist.all_gather(hosts, mine, group=group, async_op=True),
-                    (hosts, mine)).wait()  # fmt: skip
+    work = _inflight.issue(lambda: dist.all_gather(hosts, mine, group=group, async_op=True),
+                           (hosts, mine))  # fmt: skip
+    work.wait()
+    del work  # the backend lets go of it before this returns (see _inflight)
+    _inflight.settle((hosts, mine), 5.0)
     count = sum(int(h) == int(mine) for h in hosts)
     threads.note_ranks_on_host(count)
     logger.debug(
