@@ -54,8 +54,9 @@ DEFAULT_OUTER_LR = 2.8
 it is set). Each sent entry carries only ±threshold, so a sync moves the global copy less than
 Δ; bench/local_steps.py (docs/benchmarks.md, "Local steps"): on the 0.43M GPT with AdamW, H=10,
 4%, 2 ranks, 1,000 steps, lr 1.4 gave 1.067x dense DDP's validation loss and 2.8 gave 0.975x
-(2 seeds), 300 steps 1.027-1.029x, 5.6 diverged; the same at 4 ranks (300 steps), so it does
-not depend on the world size. A momentum-SGD CNN prefers 1.4 (-0.25 points against -1.7)."""
+(2 seeds), 300 steps 1.027-1.029x, 5.6 diverged; at 4 ranks, 1,000 steps, 2.8 gave 0.995x
+(4.0 0.979x, 5.6 1.022x), so one constant serves 2 and 4 ranks. A momentum-SGD CNN prefers
+1.4 (-0.25 points against -1.7)."""
 FORMAT_VERSION = 2
 """The version of :meth:`LocalSteps.state_dict`'s layout (2 added ``pending`` and the
 ``overlap`` setting; a version-1 state still loads, as one saved without overlap)."""
