@@ -83,7 +83,12 @@ def _prune() -> None:
         del _watched[key]
 
 
-def settle(tensors: Tensors, timeout: float) -> bool:
+SETTLE_S = 5.0
+"""How long :func:`settle` waits by default (microseconds as a rule; past this the caller goes
+on, and the work is left to :func:`drain` at exit)."""
+
+
+def settle(tensors: Tensors, timeout: float = SETTLE_S) -> bool:
     """Wait up to ``timeout`` seconds, the GIL released, until no work holds ``tensors`` (those
     of a completed collective whose work the caller no longer refers to); True if none does."""
     keys = {id(t) for t in _flat(tensors)}

@@ -82,7 +82,7 @@ def collective(
         error = e
     else:  # the backend lets go of the work before the call returns (see _inflight)
         del work
-        _inflight.settle(tensors, SETTLE_S)
+        _inflight.settle(tensors)
         return
     # the traceback keeps this frame until exit: it must not keep the work, or the backend
     # could not drop it before exit (see _close_all)
@@ -103,10 +103,6 @@ def collective(
         f"{timeout.total_seconds():g} s): {cause}. Original error: {text}"
     ) from error
 
-
-SETTLE_S = 5.0
-"""How long a completed collective waits for the backend to drop its work (microseconds as a
-rule; past this it returns anyway, and the work is left to the drain at exit)."""
 
 _MISMATCH = ("EnforceNotMet", "collective mismatch", "size doesn't match", "size mismatch")
 """What a backend's error says when the ranks' collectives did not match."""

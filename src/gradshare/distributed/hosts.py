@@ -43,7 +43,7 @@ def count_ranks_on_host(group: Any = None) -> int:
                            (hosts, mine))  # fmt: skip
     work.wait()
     del work  # the backend lets go of it before this returns (see _inflight)
-    _inflight.settle((hosts, mine), 5.0)
+    _inflight.settle((hosts, mine))
     count = sum(int(h) == int(mine) for h in hosts)
     threads.note_ranks_on_host(count)
     logger.debug(
