@@ -144,7 +144,7 @@ def train(args: argparse.Namespace) -> None:
     accelerator.end_training()
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=100, help="total optimizer steps")
     parser.add_argument("--batch-size", type=int, default=32)
@@ -159,7 +159,7 @@ def main() -> None:
     parser.add_argument("--save-at", type=int, help="save_state after this many steps")
     parser.add_argument("--resume", type=Path, help="a save_state directory to resume from")
     parser.add_argument("--out", type=Path, help="write the final flat parameters here")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if (args.save_at is None) != (args.checkpoint_dir is None):
         parser.error("--save-at and --checkpoint-dir go together")
     os.environ.setdefault("OMP_NUM_THREADS", "1")

@@ -78,7 +78,7 @@ def check_replicas(params: torch.Tensor) -> None:
         raise SystemExit("the replicas differ")
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--share", choices=["hook", "updates", "local"], default="hook")
     parser.add_argument("--steps", type=int, default=40)
@@ -91,17 +91,18 @@ def main() -> None:
         help="then resume from checkpoint-K in these processes: the same end",
     )  # fmt: skip
     parser.add_argument("--out", type=Path, help="write the final flat parameters here")
-    args = parser.parse_args()
-    if "LOCAL_RANK" not in os.environ:  # a plain run: start again on 2 processes
-        os.environ.setdefault("OMP_NUM_THREADS", "1")
-        run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-        os.execv(sys.executable, [*run, __file__, *sys.argv[1:]])
+    args = parser.parse_args(argv)
     if args.lr is None:
         args.lr = 0.3 if args.share == "hook" else 3e-3
     if args.check_resume:
         args.save_steps = args.check_resume
-    torch.set_num_threads(1)
+    return args
 
+
+def run(args: argparse.Namespace) -> None:
+    """Train (and ``--check-resume``) in this process, one of torchrun's; the process group
+    stays up for what runs next."""
+    torch.set_num_threads(1)
     trainer = build(args, args.output_dir)
     trainer.train(resume_from_checkpoint=None if args.resume is None else str(args.resume))
     params = flat(trainer)
@@ -129,6 +130,16 @@ def main() -> None:
         )
         if args.out is not None:
             torch.save(params, args.out)
+
+
+def main() -> None:
+    args = parse_args()
+    if "LOCAL_RANK" not in os.environ:  # a plain run: start again on 2 processes
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                    "--nproc_per_node=2"]  # fmt: skip
+        os.execv(sys.executable, [*torchrun, __file__, *sys.argv[1:]])
+    run(args)
     dist.destroy_process_group()
 
 

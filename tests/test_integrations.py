@@ -131,44 +131,15 @@ def _lightning_fits(tmp: Path) -> dict[str, Any]:
         return {"fits": fits, "tmp": tmp, "oracles": {s: f.result() for s, f in oracles.items()}}
 
 
-def _accelerate_run(tmp: Path) -> dict[str, Any]:
-    """A run straight through (saving its state at step 25), the run resumed from that state
-    in new processes, and plain DDP, which runs meanwhile."""
-    ckpt = tmp / "ckpt"
-    steps = ["--steps", "26"]  # 21 batches per rank per epoch: saved 4 into the second
+def _accelerate_runs(tmp: Path) -> dict[str, Any]:
+    """``tests/accelerate_runs.py``: its five runs from one parent (each in new processes),
+    and plain DDP, which runs meanwhile. Each run's printed lines, by name."""
     with ThreadPoolExecutor(1) as meanwhile:
         oracle = meanwhile.submit(plain_ddp, "accelerate", 1, 26)
-        straight = run_example(
-            "accelerate_ddp.py", *steps, "--save-at", "25", "--checkpoint-dir", ckpt,
-            "--out", tmp / "straight.pt",
-        )  # fmt: skip
-        resumed = run_example(
-            "accelerate_ddp.py", *steps, "--resume", ckpt, "--out", tmp / "resumed.pt"
-        )
-        return {"straight": straight, "resumed": resumed, "ckpt": ckpt, "tmp": tmp,
-                "oracle": oracle.result()}  # fmt: skip
-
-
-def _local_runs(tmp: Path, script: str, straight: list[str], resume: list[str]) -> dict[str, Any]:
-    """``--share local``: a run straight through, saving between two syncs (the replicas
-    differ), and the run resumed from that save in new processes."""
-    ckpt = tmp / "ckpt"
-    first = run_example(script, *straight, "--checkpoint-dir", ckpt, "--out", tmp / "straight.pt")
-    resumed = run_example(script, *resume, "--out", tmp / "resumed.pt")
-    return {"straight": first, "resumed": resumed, "ckpt": ckpt, "tmp": tmp}
-
-
-def _lightning_local(tmp: Path) -> dict[str, Any]:
-    epochs = ["--share", "local", "--sync-every", "2", "--steps-per-epoch", "3", "--epochs", "2"]
-    return _local_runs(
-        tmp, "lightning_ddp.py", epochs, [*epochs, "--resume", tmp / "ckpt" / "step=3.ckpt"]
-    )
-
-
-def _accelerate_local(tmp: Path) -> dict[str, Any]:
-    steps = ["--share", "local", "--sync-every", "4", "--steps", "26"]
-    return _local_runs(tmp, "accelerate_ddp.py", [*steps, "--save-at", "25"],
-                       [*steps, "--resume", tmp / "ckpt"])  # fmt: skip
+        run = run_script(ROOT / "tests" / "accelerate_runs.py", tmp)
+        assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+        said = dict(part.split("\n", 1) for part in run.stdout.split("=== ")[1:])
+        return {"said": said, "tmp": tmp, "oracle": oracle.result()}
 
 
 def _hung_rank(tmp: Path) -> dict[str, Any]:
@@ -187,21 +158,15 @@ def runs(
     jobs: dict[str, Callable[[], dict[str, Any]]] = {}
     if importlib.util.find_spec("lightning") is not None and (
         selected(request, "test_resumed_fit_matches_the_straight_fit_and_plain_ddp")
+        or selected(request, "test_local_steps_resume_bit_for_bit")
         or selected(request, "test_stale_and_plain_checkpoints")
     ):
         jobs["lightning"] = partial(_lightning_fits, tmp_path_factory.mktemp("lightning"))
-    if importlib.util.find_spec("accelerate") is not None and selected(
-        request, "test_resumed_run_matches_the_straight_run_and_plain_ddp"
+    if importlib.util.find_spec("accelerate") is not None and (
+        selected(request, "test_resumed_run_matches_the_straight_run_and_plain_ddp")
+        or selected(request, "test_local_steps_resume_at_any_step")
     ):
-        jobs["accelerate"] = partial(_accelerate_run, tmp_path_factory.mktemp("accelerate"))
-    if importlib.util.find_spec("lightning") is not None and selected(
-        request, "test_local_steps_resume_bit_for_bit"
-    ):
-        jobs["lightning-local"] = partial(_lightning_local, tmp_path_factory.mktemp("l-local"))
-    if importlib.util.find_spec("accelerate") is not None and selected(
-        request, "test_local_steps_resume_at_any_step"
-    ):
-        jobs["accelerate-local"] = partial(_accelerate_local, tmp_path_factory.mktemp("a-local"))
+        jobs["accelerate"] = partial(_accelerate_runs, tmp_path_factory.mktemp("accelerate"))
     if importlib.util.find_spec("lightning") is not None and selected(
         request, "test_a_hung_rank_holds_the_other_for_gradshare_timeout_at_most"
     ):
@@ -213,9 +178,10 @@ def runs(
 class TestLightning:
     """``GradshareDDPStrategy``, sharing gradients (the hook), updates (SharedOptimizer) or
     local steps: a fit resumed from a checkpoint ends at the parameters of the fit that ran
-    straight through, and, sharing gradients or updates, both at those of plain DDP. Local
-    steps resume in new processes; the other two in the same processes, with a fresh model,
-    strategy and Trainer (``tests/lightning_fits.py``)."""
+    straight through, and, sharing gradients or updates, both at those of plain DDP. Each
+    resume runs in the same processes, with a fresh model, strategy and Trainer
+    (``tests/lightning_fits.py``); resumes in new processes are accelerate's and the Hugging
+    Face Trainer's."""
 
     @pytest.mark.parametrize("share", ["gradients", "updates"])
     def test_resumed_fit_matches_the_straight_fit_and_plain_ddp(
@@ -239,16 +205,19 @@ class TestLightning:
         """``share="local"``: no all-reduce, LocalSteps syncs every 2 steps; saved at step 3,
         between two syncs, each rank's own replica and optimizer state in its rank file."""
         pytest.importorskip("lightning", reason=f"needs Lightning: {INSTALL}")
-        run = runs["lightning-local"].result()
+        run = runs["lightning"].result()
+        for fit in ("local-straight", "local-resumed"):
+            assert [ranks[fit][1] for ranks in run["fits"]] == [None] * WORLD, run["fits"]
+        said = run["fits"][0]["local-straight"][0]
         assert re.search(r"step 6: rank 0 sent [\d,]+ B vs [\d,]+ B dense \(\d+x less\)",
-                         run["straight"].stdout), run["straight"].stdout  # fmt: skip
-        first = run["ckpt"] / "step=3.ckpt"
+                         said), said  # fmt: skip
+        first = run["tmp"] / "local" / "ckpt" / "step=3.ckpt"
         assert_rank_files([lightning_rank_file(first, r) for r in range(WORLD)])
         files = [torch.load(lightning_rank_file(first, r), weights_only=True) for r in range(WORLD)]
         mine = [f["state"]["local"]["params"] for f in files]
         assert any(not torch.equal(a, b) for a, b in zip(*mine, strict=True))  # replicas differ
-        whole = torch.load(run["tmp"] / "straight.pt", weights_only=True)
-        resumed = torch.load(run["tmp"] / "resumed.pt", weights_only=True)
+        whole = torch.load(run["tmp"] / "local" / "straight.pt", weights_only=True)
+        resumed = torch.load(run["tmp"] / "local" / "resumed.pt", weights_only=True)
         assert torch.equal(whole, resumed)
 
     def test_stale_and_plain_checkpoints(self, runs: dict[str, Future[dict[str, Any]]]) -> None:
@@ -309,39 +278,40 @@ class TestLightning:
 
 class TestAccelerate:
     """``register_rank_checkpointing``: ``save_state`` mid-epoch, ``load_state`` in new
-    processes, and the run ends at the parameters of the straight run and of plain DDP."""
+    processes, and the run ends at the parameters of the straight run and of plain DDP
+    (``tests/accelerate_runs.py``: every run in new processes, one parent)."""
 
     def test_resumed_run_matches_the_straight_run_and_plain_ddp(
         self, runs: dict[str, Future[dict[str, Any]]]
     ) -> None:
         pytest.importorskip("accelerate", reason=f"needs accelerate: {INSTALL}")
         run = runs["accelerate"].result()
-        assert "x less" in run["straight"].stdout
-        assert_rank_files([accelerate_rank_file(run["ckpt"], r) for r in range(WORLD)])
-        assert "resumed from step 25" in run["resumed"].stdout
-        whole = torch.load(run["tmp"] / "straight.pt", weights_only=True)
-        resumed = torch.load(run["tmp"] / "resumed.pt", weights_only=True)
+        said, tmp = run["said"], run["tmp"] / "gradients"
+        assert "x less" in said["gradients-straight"], said
+        assert_rank_files([accelerate_rank_file(tmp / "ckpt", r) for r in range(WORLD)])
+        assert "resumed from step 25" in said["gradients-resumed"], said
+        whole = torch.load(tmp / "straight.pt", weights_only=True)
+        resumed = torch.load(tmp / "resumed.pt", weights_only=True)
         assert torch.equal(whole, resumed)
         assert torch.equal(whole, run["oracle"])
-
-        ckpt = run["ckpt"]  # resumed from already: now leave rank 1's file from another save
-        make_stale(accelerate_rank_file(ckpt, 1))  # rank 1 stopped in a later save_state
-        stale = run_example("accelerate_ddp.py", "--steps", "26", "--resume", ckpt, fails=True)
-        said = stale.stderr + stale.stdout  # accelerate shows one failed rank's error
-        named = f"{accelerate_rank_file(ckpt, 1)} is from another save"
-        assert named in said or "Rank(s) [1] could not load their gradshare" in said, said
+        # resumed from already, then rank 1's file left as from another save: refused
+        named = f"{accelerate_rank_file(tmp / 'ckpt', 1)} is from another save"
+        stale = said["stale"]  # accelerate shows one failed rank's error
+        assert named in stale or "Rank(s) [1] could not load their gradshare" in stale, stale
+        assert "step 26:" not in stale
 
     def test_local_steps_resume_at_any_step(self, runs: dict[str, Future[dict[str, Any]]]) -> None:
         """``--share local`` (no_sync, LocalSteps every 4 steps): saved at step 25, between
         two syncs, resumed in new processes, it ends where the straight run ends."""
         pytest.importorskip("accelerate", reason=f"needs accelerate: {INSTALL}")
-        run = runs["accelerate-local"].result()
+        run = runs["accelerate"].result()
+        said, tmp = run["said"], run["tmp"] / "local"
         assert re.search(r"step 26: rank 0 sent [\d,]+ B vs [\d,]+ B dense \(\d+x less\)",
-                         run["straight"].stdout), run["straight"].stdout  # fmt: skip
-        assert_rank_files([accelerate_rank_file(run["ckpt"], r) for r in range(WORLD)])
-        assert "resumed from step 25" in run["resumed"].stdout
-        whole = torch.load(run["tmp"] / "straight.pt", weights_only=True)
-        resumed = torch.load(run["tmp"] / "resumed.pt", weights_only=True)
+                         said["local-straight"]), said  # fmt: skip
+        assert_rank_files([accelerate_rank_file(tmp / "ckpt", r) for r in range(WORLD)])
+        assert "resumed from step 25" in said["local-resumed"], said
+        whole = torch.load(tmp / "straight.pt", weights_only=True)
+        resumed = torch.load(tmp / "resumed.pt", weights_only=True)
         assert torch.equal(whole, resumed)
 
 
