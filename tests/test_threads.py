@@ -14,8 +14,8 @@ import pytest
 from gradshare.codec import threads
 
 HERE = Path(__file__).resolve().parent
-TUNING = ("OMP_NUM_THREADS", "NUMBA_NUM_THREADS", "MKL_NUM_THREADS", threads.ENV_VAR,
-          "LOCAL_WORLD_SIZE", "RANK", "WORLD_SIZE", "LOCAL_RANK")  # fmt: skip
+TUNING = ("OMP_NUM_THREADS", "NUMBA_NUM_THREADS", "MKL_NUM_THREADS", "OMP_WAIT_POLICY",
+          threads.ENV_VAR, "LOCAL_WORLD_SIZE", "RANK", "WORLD_SIZE", "LOCAL_RANK")  # fmt: skip
 
 
 def _clean_env(**extra: str) -> dict[str, str]:
