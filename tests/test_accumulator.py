@@ -190,7 +190,9 @@ class TestRound:
 class TestFaults:
     """A failing party never leaves the others waiting: they raise with its error attached."""
 
-    def test_failure_wakes_waiting_parties_within_a_second(self) -> None:
+    def test_failure_wakes_waiting_parties_long_before_the_timeout(self) -> None:
+        """Woken by the failure (0.2 s in), not by the 60 s timeout; the bound leaves room for
+        a loaded machine."""
         acc = EncodedGradientsAccumulator(3, threshold=FixedThreshold(1.0), timeout=60)
         bad = torch.tensor([1.0, float("nan")])
 
@@ -211,7 +213,7 @@ class TestFaults:
 
         start = time.monotonic()
         results = run_parties([waiting(0), waiting(1), failing])
-        assert time.monotonic() - start < 1.2
+        assert time.monotonic() - start < 10
         assert isinstance(results[2], ValueError) and "non-finite" in str(results[2])
         for r in results[:2]:
             assert isinstance(r, AccumulatorError)

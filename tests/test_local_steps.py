@@ -395,7 +395,7 @@ def test_lost_peer_raises_within_the_timeout(kind: str, overlap: bool) -> None:
     round in flight or the next sync's header finds the peer gone)."""
     survivor, lost = spawn(_rank_fault, 2, kind, overlap, timeout=40)
     waited, msg = survivor.get()
-    assert waited < 3 + 5, waited
+    assert waited < 15, waited  # the 3 s timeout, with room for a loaded machine; not 60 s
     assert "timeout 3 s" in msg and ("sync header" in msg or overlap)
     assert lost.error == ("ZeroDivisionError" if kind == "raise" else "Killed")
 

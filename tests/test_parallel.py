@@ -154,7 +154,7 @@ class TestFaults:
         start = time.monotonic()
         with pytest.raises(ZeroDivisionError, match="worker loss exploded"):
             wrapper.fit(toy_batches(40))
-        assert time.monotonic() - start < 5
+        assert time.monotonic() - start < 30  # the error, not the 60 s timeout
         assert threading.active_count() == before
         wrapper.fit(toy_batches(4))  # usable again afterwards
 
