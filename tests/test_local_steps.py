@@ -18,6 +18,11 @@ from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 from gradshare import ExchangeError, LocalSteps, codec
+from gradshare.distributed.local_steps import (
+    DEFAULT_OUTER_LR,
+    DEFAULT_OUTER_LR_SGD,
+    default_outer_lr,
+)
 from gradshare.encoding.encoder import Encoder
 
 from toys import flat, toy_batches, toy_model
@@ -90,6 +95,12 @@ def _rank_laws(rank: int, world: int) -> dict:
             after.append(flat(model))
     assert sync.bytes_sent == 2 * 4 * sync.numel
     out["dense"] = {"locals": locals_[2::3], "after": after}
+    sync.close()
+    for name, make in (("AdamW", lambda p: torch.optim.AdamW(p, lr=1e-2)),
+                       ("SGD", lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))):  # fmt: skip
+        model = toy_model(seed=0)
+        with LocalSteps(model, make(model.parameters()), sync_every=2) as sync:
+            out[f"outer {name}"] = (type(sync.outer).__name__, sync.outer.param_groups[0])
     return out
 
 
@@ -142,6 +153,14 @@ class TestSyncLaws:
                     if any(m is not None for m in pieces):
                         want += 4 * sum(4 if m is None else m.numel() for m in pieces)
                 assert r[decay]["bytes"] == want > 0
+
+    def test_default_outer_optimizer_follows_the_inner_one(self, results: list[dict]) -> None:
+        """Plain SGD without momentum: lr 2.8 after AdamW, 1.4 after momentum SGD."""
+        for r in results:
+            for name, lr in (("AdamW", DEFAULT_OUTER_LR), ("SGD", DEFAULT_OUTER_LR_SGD)):
+                kind, group = r[f"outer {name}"]
+                assert (kind, group["lr"], group["momentum"]) == ("SGD", lr, 0), name
+        assert (DEFAULT_OUTER_LR, DEFAULT_OUTER_LR_SGD) == (2.8, 1.4)
 
     def test_dense_sync_is_the_mean_of_the_replicas(self, results: list[dict]) -> None:
         for k in range(2):
@@ -451,6 +470,26 @@ def test_resumed_run_is_bit_identical(two: tuple[list[dict], Path], overlap: boo
 
 
 # ---------------------------------------------------------------------- in this process
+
+
+def test_default_outer_lr_looks_through_wrappers() -> None:
+    """Adaptive optimizers (their subclasses, any "Adam" by name) get 2.8, others 1.4; a
+    wrapper holding the optimizer in ``.optimizer`` (accelerate's) is looked through."""
+    params = [nn.Parameter(torch.zeros(2))]
+
+    class FusedAdam(torch.optim.SGD):  # a foreign Adam: by name
+        pass
+
+    class Wrapped:  # as accelerate's AcceleratedOptimizer holds it
+        def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+            self.optimizer = optimizer
+
+    adaptive = [torch.optim.Adam(params), torch.optim.RMSprop(params), FusedAdam(params, lr=1)]
+    other = [torch.optim.SGD(params, lr=1, momentum=0.9), torch.optim.LBFGS(params)]
+    assert [default_outer_lr(o) for o in adaptive] == [2.8] * 3
+    assert [default_outer_lr(o) for o in other] == [1.4] * 2
+    assert default_outer_lr(Wrapped(torch.optim.AdamW(params))) == 2.8  # type: ignore[arg-type]
+    assert default_outer_lr(Wrapped(other[0])) == 1.4  # type: ignore[arg-type]
 
 
 def test_bad_arguments_are_refused_naming_the_fix() -> None:

@@ -36,12 +36,19 @@ from gradshare.distributed.exchange import (
     largest_message,
     rank_names,
 )
-from gradshare.distributed.metrics import share_metrics
+from gradshare.distributed.metrics import ADAPTIVE_OPTIMIZERS, share_metrics
 from gradshare.encoding.encoder import Encoder
 from gradshare.encoding.options import EncodingOptions, encoding_options
 from gradshare.encoding.threshold import BITMAP_DENSITY, QuantileThreshold, ThresholdAlgorithm
 
-__all__ = ["DEFAULT_DECAY", "DEFAULT_DENSITY", "DEFAULT_OUTER_LR", "LocalSteps"]
+__all__ = [
+    "DEFAULT_DECAY",
+    "DEFAULT_DENSITY",
+    "DEFAULT_OUTER_LR",
+    "DEFAULT_OUTER_LR_SGD",
+    "LocalSteps",
+    "default_outer_lr",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -50,13 +57,17 @@ DEFAULT_DENSITY = 0.04
 DEFAULT_DECAY = 0.95
 """β, the residual decay of every sync by default (SparseLoCo's error-feedback decay)."""
 DEFAULT_OUTER_LR = 2.8
-"""The learning rate of the default outer optimizer, plain SGD without momentum (the one place
-it is set). Each sent entry carries only ±threshold, so a sync moves the global copy less than
-Δ; bench/local_steps.py (docs/benchmarks.md, "Local steps"): on the 0.43M GPT with AdamW, H=10,
-4%, 2 ranks, 1,000 steps, lr 1.4 gave 1.067x dense DDP's validation loss and 2.8 gave 0.975x
-(2 seeds), 300 steps 1.027-1.029x, 5.6 diverged; at 4 ranks, 1,000 steps, 2.8 gave 0.995x
-(4.0 0.979x, 5.6 1.022x), so one constant serves 2 and 4 ranks. A momentum-SGD CNN prefers
-1.4 (-0.25 points against -1.7)."""
+"""The learning rate of the default outer optimizer, plain SGD without momentum, when the inner
+optimizer is adaptive (Adam and its kin, :func:`default_outer_lr`). Each sent entry carries
+only ±threshold, so a sync moves the global copy less than Δ; bench/local_steps.py
+(docs/benchmarks.md, "Local steps"): on the 0.43M GPT with AdamW, H=10, 4%, 2 ranks, 1,000
+steps, lr 1.4 gave 1.067x dense DDP's validation loss and 2.8 gave 0.975x (3 seeds), 300
+steps 1.028x, 5.6 diverged; at 4 ranks, 1,000 steps, 2.8 gave 0.995x (4.0 0.979x, 5.6
+1.022x), so one constant serves 2 and 4 ranks."""
+DEFAULT_OUTER_LR_SGD = 1.4
+"""The default outer learning rate for any other inner optimizer (SGD, momentum SGD): on the
+MNIST CNN with momentum SGD, H=10, 4%, 1.4 stayed 0.20 points from dense (3 seeds; 0.23 at 4
+ranks) where 2.8 lost 1.7."""
 FORMAT_VERSION = 2
 """The version of :meth:`LocalSteps.state_dict`'s layout (2 added ``pending`` and the
 ``overlap`` setting; a version-1 state still loads, as one saved without overlap)."""
@@ -69,8 +80,24 @@ _FIELDS = ("round", "status", "bad_parameter")
 _OK, _NONFINITE, _FAILED = 0, 1, 2
 
 
-def _default_outer(params: list[torch.Tensor]) -> torch.optim.Optimizer:
-    return torch.optim.SGD(params, lr=DEFAULT_OUTER_LR)
+def default_outer_lr(inner: torch.optim.Optimizer) -> float:
+    """The default outer optimizer's learning rate for ``inner``: :data:`DEFAULT_OUTER_LR` for
+    an adaptive optimizer (a class of :data:`~gradshare.distributed.metrics.ADAPTIVE_OPTIMIZERS`
+    or a subclass, or any whose name holds "Adam", such as ``FusedAdam``; wrappers such as
+    accelerate's ``AcceleratedOptimizer`` are looked through), else
+    :data:`DEFAULT_OUTER_LR_SGD`."""
+    for _ in range(8):  # through wrappers: accelerate's `.optimizer`, Lightning's `._optimizer`
+        wrapped = getattr(inner, "optimizer", None) or getattr(inner, "_optimizer", None)
+        if not isinstance(wrapped, torch.optim.Optimizer):
+            break
+        inner = wrapped
+    names = [cls.__name__ for cls in type(inner).__mro__]
+    adaptive = any(n in ADAPTIVE_OPTIMIZERS or "adam" in n.lower() for n in names)
+    return DEFAULT_OUTER_LR if adaptive else DEFAULT_OUTER_LR_SGD
+
+
+def _default_outer(lr: float) -> OuterFactory:
+    return lambda params: torch.optim.SGD(params, lr=lr)
 
 
 class LocalSteps:
@@ -98,8 +125,8 @@ class LocalSteps:
     leaves every replica at the mean of the ranks' replicas.
 
     Tuning: ``density`` sets the bytes (``bytes_sent`` vs ``dense_bytes``); ``decay`` < 1
-    forgets stale residual mass; the outer learning rate (default
-    :data:`DEFAULT_OUTER_LR`) scales each merge.
+    forgets stale residual mass; the outer learning rate (default :func:`default_outer_lr`:
+    2.8 under an adaptive inner optimizer such as AdamW, 1.4 under SGD) scales each merge.
 
     Mixed precision: ``torch.amp.GradScaler`` skips ``inner.step()`` on a rank whose
     gradients overflowed, so counting inner steps would put that rank's syncs one step
@@ -135,7 +162,8 @@ class LocalSteps:
             for dense syncs.
         decay: β, the residual's decay before each sync, in [0, 1].
         outer_optimizer: a callable taking the global copy's tensors and returning the outer
-            optimizer (default: ``SGD(params, lr=DEFAULT_OUTER_LR)``, no momentum).
+            optimizer (default: ``SGD(params, lr=default_outer_lr(inner_optimizer))``, no
+            momentum).
         offload: keep the global copy, residuals and outer state on the CPU.
         overlap: exchange each sync in the background during the next ``sync_every``
             inner steps and merge it one round later (see above); off by default.
@@ -221,7 +249,7 @@ class LocalSteps:
         self.dense_bytes = 0
         """Bytes the same syncs take sent dense in float32."""
 
-        outer = outer_optimizer or _default_outer
+        outer = outer_optimizer or _default_outer(default_outer_lr(inner_optimizer))
         probe_outer = outer([torch.zeros(1)])  # its settings, for the header
         self._outer_text = _optimizer_text(probe_outer)
         self._scaler_counts = grad_scaler is not None
