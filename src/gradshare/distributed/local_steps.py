@@ -62,8 +62,8 @@ optimizer is adaptive (Adam and its kin, :func:`default_outer_lr`). Each sent en
 only ±threshold, so a sync moves the global copy less than Δ; bench/local_steps.py
 (docs/benchmarks.md, "Local steps"): on the 0.43M GPT with AdamW, H=10, 4%, 2 ranks, 1,000
 steps, lr 1.4 gave 1.067x dense DDP's validation loss and 2.8 gave 0.975x (3 seeds), 300
-steps 1.028x, 5.6 diverged; at 4 ranks, 1,000 steps, 2.8 gave 0.995x (4.0 0.979x, 5.6
-1.022x), so one constant serves 2 and 4 ranks."""
+steps 1.033x, 5.6 diverged; at 4 ranks, 1,000 steps, 2.8 gave 1.002x (3 seeds; on seed 0 4.0
+0.979x, 5.6 1.022x), so one constant serves 2 and 4 ranks."""
 DEFAULT_OUTER_LR_SGD = 1.4
 """The default outer learning rate for any other inner optimizer (SGD, momentum SGD): on the
 MNIST CNN with momentum SGD, H=10, 4%, 1.4 stayed 0.20 points from dense (3 seeds; 0.23 at 4
