@@ -4,7 +4,7 @@ so ``tests/test_hf_trainer.py`` runs the three paths in one launch rather than t
 
 For ``--share`` hook, updates and local in turn: 10 steps straight through, saving at step 5,
 then resumed from ``checkpoint-5`` with a fresh model and Trainer (``--check-resume 5``),
-into ``TMP/{share}/out``.
+into ``TMP/{share}/out``, the parameters into ``TMP/{share}/straight.pt``.
 
     python -m torch.distributed.run --standalone --nproc_per_node=2 tests/hf_fits.py TMP
 
@@ -33,7 +33,7 @@ def main() -> None:
     for share in SHARES:
         args = hf_trainer.parse_args(
             ["--share", share, "--steps", "10", "--check-resume", "5",
-             "--output-dir", str(tmp / share / "out")]
+             "--output-dir", str(tmp / share / "out"), "--out", str(tmp / share / "straight.pt")]
         )  # fmt: skip
         out = io.StringIO()
         with contextlib.redirect_stdout(out):

@@ -4,11 +4,8 @@ Each path trains the tiny GPT-2 of ``examples/hf_trainer.py`` on 2 processes for
 saving at step 5, then resumes from ``checkpoint-5`` with a fresh model and Trainer and must
 end at the same parameters, bit for bit; every run checks its replicas are bit-identical and
 that gradshare's metrics reached ``trainer.state.log_history``. The three paths run in one
-launch (``tests/hf_fits.py``): each resume reads the checkpoint's files back from disk into a
-fresh model, Trainer and callback. Resumes in new processes are tested where they cost no
-framework import of their own: accelerate's (tests/test_integrations.py), torchrun's
-(tests/test_examples.py, tests/test_local_steps_example.py) and LocalSteps' own
-(tests/test_local_steps.py).
+launch (``tests/hf_fits.py``); one (``local``) also resumes from its ``checkpoint-5`` in new
+processes, launched as a user launches the example.
 """
 
 from __future__ import annotations
@@ -17,8 +14,17 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
-from test_integrations import INSTALL, ROOT, TORCHRUN, WORLD, run_script
+from test_integrations import INSTALL, ROOT, TORCHRUN, WORLD, run_example, run_script
+
+STEPS = ["--steps", "10"]
+
+
+@pytest.fixture(autouse=True)
+def _torch_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The torch ops, bit for bit the kernels', without numba's compilation in every rank."""
+    monkeypatch.setenv("GRADSHARE_KERNELS", "0")
 
 
 @pytest.fixture(scope="module")
@@ -27,8 +33,8 @@ def fits(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, str]
     ``checkpoint-5``, in one torchrun launch; what each printed, by path."""
     pytest.importorskip("transformers", reason=f"needs transformers: {INSTALL}")
     tmp = tmp_path_factory.mktemp("hf")
-    with pytest.MonkeyPatch.context() as patch:  # the torch ops, bit for bit the kernels',
-        patch.setenv("GRADSHARE_KERNELS", "0")  # without numba's compilation in every rank
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("GRADSHARE_KERNELS", "0")
         run = run_script(ROOT / "tests" / "hf_fits.py", tmp, launcher=TORCHRUN)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     return tmp, json.loads((tmp / "said.json").read_text())
@@ -46,3 +52,18 @@ def test_replicas_agree_and_the_resume_holds(share: str, fits: tuple[Path, dict[
     assert sorted(p.name for p in folder.glob("gradshare-*")) == [
         *(f"gradshare-rank{r}.pt" for r in range(WORLD)), "gradshare-save.json"
     ]  # fmt: skip
+
+
+def test_resume_in_new_processes(tmp_path: Path, fits: tuple[Path, dict[str, str]]) -> None:
+    """Local steps carry the most per-rank state (each replica, its AdamW moments, the
+    residuals and the global copy): a resume in new processes, run as a user runs the
+    example, from the ``local`` path's ``checkpoint-5``, ends where that path went straight
+    through."""
+    straight = fits[0] / "local"
+    resumed = run_example(
+        "hf_trainer.py", "--share", "local", *STEPS, "--output-dir", straight / "out",
+        "--resume", straight / "out" / "checkpoint-5", "--out", tmp_path / "r.pt",
+    )  # fmt: skip
+    assert "step 10: rank 0 sent" in resumed.stdout
+    whole = torch.load(straight / "straight.pt", weights_only=True)
+    assert torch.equal(whole, torch.load(tmp_path / "r.pt", weights_only=True))

@@ -119,16 +119,24 @@ def plain_ddp(*args: Any) -> torch.Tensor:
 
 
 def _lightning_fits(tmp: Path) -> dict[str, Any]:
-    """``tests/lightning_fits.py``: its seven fits in one torchrun launch (the two shares
-    straight through and resumed, the spoiled checkpoints), and plain DDP for both shares,
-    which runs meanwhile."""
+    """``tests/lightning_fits.py``: its nine fits in one torchrun launch (the three shares
+    straight through and resumed, the spoiled checkpoints), and plain DDP for two shares,
+    which runs meanwhile; then the example as a user runs it (Lightning's own launcher starts
+    the processes), resuming the local fit from its ``step=3.ckpt`` in new processes."""
     with ThreadPoolExecutor(1) as meanwhile:
         oracles = {share: meanwhile.submit(plain_ddp, "lightning", 2, 3, share)
                    for share in ("gradients", "updates")}  # fmt: skip
         run = run_script(ROOT / "tests" / "lightning_fits.py", tmp, launcher=TORCHRUN)
         assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
         fits = [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(WORLD)]
-        return {"fits": fits, "tmp": tmp, "oracles": {s: f.result() for s, f in oracles.items()}}
+        local = tmp / "local"
+        resumed = run_example(
+            "lightning_ddp.py", "--share", "local", "--sync-every", "2", "--steps-per-epoch", "3",
+            "--epochs", "2", "--resume", local / "ckpt" / "step=3.ckpt",
+            "--out", local / "resumed-new.pt",
+        )  # fmt: skip
+        return {"fits": fits, "tmp": tmp, "resumed_new": resumed,
+                "oracles": {s: f.result() for s, f in oracles.items()}}  # fmt: skip
 
 
 def _accelerate_runs(tmp: Path) -> dict[str, Any]:
@@ -178,10 +186,10 @@ def runs(
 class TestLightning:
     """``GradshareDDPStrategy``, sharing gradients (the hook), updates (SharedOptimizer) or
     local steps: a fit resumed from a checkpoint ends at the parameters of the fit that ran
-    straight through, and, sharing gradients or updates, both at those of plain DDP. Each
-    resume runs in the same processes, with a fresh model, strategy and Trainer
-    (``tests/lightning_fits.py``); resumes in new processes are accelerate's and the Hugging
-    Face Trainer's."""
+    straight through, and, sharing gradients or updates, both at those of plain DDP. The
+    resumes run in the same processes, with a fresh model, strategy and Trainer
+    (``tests/lightning_fits.py``); the local fit is also resumed in new processes, by the
+    example launched as a user launches it."""
 
     @pytest.mark.parametrize("share", ["gradients", "updates"])
     def test_resumed_fit_matches_the_straight_fit_and_plain_ddp(
@@ -219,6 +227,11 @@ class TestLightning:
         whole = torch.load(run["tmp"] / "local" / "straight.pt", weights_only=True)
         resumed = torch.load(run["tmp"] / "local" / "resumed.pt", weights_only=True)
         assert torch.equal(whole, resumed)
+        # the example as a user runs it, resumed in new processes: the same end
+        said = run["resumed_new"].stdout
+        assert re.search(r"step 6: rank 0 sent [\d,]+ B vs [\d,]+ B dense", said), said
+        new = torch.load(run["tmp"] / "local" / "resumed-new.pt", weights_only=True)
+        assert torch.equal(whole, new)
 
     def test_stale_and_plain_checkpoints(self, runs: dict[str, Future[dict[str, Any]]]) -> None:
         """A rank file left from the save before was accepted (exit 0, other parameters); a
