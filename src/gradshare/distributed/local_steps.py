@@ -36,7 +36,7 @@ from gradshare.distributed.exchange import (
     largest_message,
     rank_names,
 )
-from gradshare.distributed.metrics import ADAPTIVE_OPTIMIZERS, share_metrics
+from gradshare.distributed.metrics import is_adaptive, share_metrics
 from gradshare.encoding.encoder import Encoder
 from gradshare.encoding.options import EncodingOptions, encoding_options
 from gradshare.encoding.threshold import BITMAP_DENSITY, QuantileThreshold, ThresholdAlgorithm
@@ -82,18 +82,10 @@ _OK, _NONFINITE, _FAILED = 0, 1, 2
 
 def default_outer_lr(inner: torch.optim.Optimizer) -> float:
     """The default outer optimizer's learning rate for ``inner``: :data:`DEFAULT_OUTER_LR` for
-    an adaptive optimizer (a class of :data:`~gradshare.distributed.metrics.ADAPTIVE_OPTIMIZERS`
-    or a subclass, or any whose name holds "Adam", such as ``FusedAdam``; wrappers such as
-    accelerate's ``AcceleratedOptimizer`` are looked through), else
+    an adaptive optimizer (:func:`~gradshare.distributed.metrics.is_adaptive`: Adam and its
+    kin, their subclasses, wrappers such as accelerate's looked through), else
     :data:`DEFAULT_OUTER_LR_SGD`."""
-    for _ in range(8):  # through wrappers: accelerate's `.optimizer`, Lightning's `._optimizer`
-        wrapped = getattr(inner, "optimizer", None) or getattr(inner, "_optimizer", None)
-        if not isinstance(wrapped, torch.optim.Optimizer):
-            break
-        inner = wrapped
-    names = [cls.__name__ for cls in type(inner).__mro__]
-    adaptive = any(n in ADAPTIVE_OPTIMIZERS or "adam" in n.lower() for n in names)
-    return DEFAULT_OUTER_LR if adaptive else DEFAULT_OUTER_LR_SGD
+    return DEFAULT_OUTER_LR if is_adaptive(inner) else DEFAULT_OUTER_LR_SGD
 
 
 def _default_outer(lr: float) -> OuterFactory:

@@ -12,9 +12,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 
+import torch
+
 from gradshare.encoding.encoder import EncodeStats
 
-__all__ = ["ADAPTIVE_OPTIMIZERS", "share_metrics", "warn_if_adaptive", "warn_once"]
+__all__ = ["ADAPTIVE_OPTIMIZERS", "is_adaptive", "share_metrics", "warn_if_adaptive", "warn_once"]
 
 ADAPTIVE_OPTIMIZERS = ("Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "RMSprop")
 """Optimizers that rescale each element: sharing their gradients (the hook) loses to sharing
@@ -28,6 +30,20 @@ def warn_once(logger: logging.Logger, key: str, message: str) -> None:
     if key not in _warned:
         _warned.add(key)
         logger.warning(message)
+
+
+def is_adaptive(optimizer: object) -> bool:
+    """Whether ``optimizer`` rescales each element: a class of :data:`ADAPTIVE_OPTIMIZERS` or a
+    subclass, or any class named "...Adam..." (``FusedAdam``, ``AdamW8bit``). Wrappers that
+    hold the optimizer (accelerate's ``.optimizer``, Lightning's ``._optimizer``) are looked
+    through."""
+    for _ in range(8):
+        wrapped = getattr(optimizer, "optimizer", None) or getattr(optimizer, "_optimizer", None)
+        if not isinstance(wrapped, torch.optim.Optimizer):
+            break
+        optimizer = wrapped
+    names = [cls.__name__ for cls in type(optimizer).__mro__]
+    return any(n in ADAPTIVE_OPTIMIZERS or "adam" in n.lower() for n in names)
 
 
 def warn_if_adaptive(optimizer: object, where: str) -> bool:
