@@ -11,6 +11,7 @@ processes, launched as a user launches the example.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,10 +22,13 @@ from test_integrations import INSTALL, ROOT, TORCHRUN, WORLD, run_example, run_s
 STEPS = ["--steps", "10"]
 
 
-@pytest.fixture(autouse=True)
-def _torch_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The torch ops, bit for bit the kernels', without numba's compilation in every rank."""
-    monkeypatch.setenv("GRADSHARE_KERNELS", "0")
+@pytest.fixture(scope="module", autouse=True)
+def _torch_kernels() -> Iterator[None]:
+    """The torch ops, bit for bit the kernels', without numba's compilation in every rank (for
+    every process this module starts)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("GRADSHARE_KERNELS", "0")
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -33,9 +37,7 @@ def fits(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, str]
     ``checkpoint-5``, in one torchrun launch; what each printed, by path."""
     pytest.importorskip("transformers", reason=f"needs transformers: {INSTALL}")
     tmp = tmp_path_factory.mktemp("hf")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("GRADSHARE_KERNELS", "0")
-        run = run_script(ROOT / "tests" / "hf_fits.py", tmp, launcher=TORCHRUN)
+    run = run_script(ROOT / "tests" / "hf_fits.py", tmp, launcher=TORCHRUN)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     return tmp, json.loads((tmp / "said.json").read_text())
 
