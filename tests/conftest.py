@@ -39,8 +39,9 @@ def pytest_configure(config: pytest.Config) -> None:
     # Two xdist workers share two cores, and each runs torch ops and parallel kernels on
     # OpenMP threads of its own. OpenMP's threads spin for a while when a parallel region
     # ends, on cores the other worker needs: the in-process modules took 31 s spinning and
-    # 25 s sleeping. Set before any OpenMP runtime loads (the workers and every process they
-    # start inherit it; tests/test_threads.py launches without it, as users do).
+    # 25 s sleeping, back to back (one pair; the spread between runs here is a few seconds).
+    # Set before any OpenMP runtime loads (the workers and every process they start inherit
+    # it; tests/test_threads.py launches without it, as users do).
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     if hasattr(config, "workerinput") or os.environ.get("GRADSHARE_KERNELS") == "0":
         return  # a worker (the main process warmed the cache), or no kernels at all
