@@ -192,12 +192,14 @@ def _rank_overlap(rank: int, world: int) -> dict:
     hashes = []
     with LocalSteps(model, inner, sync_every=2, overlap=True) as sync:
         start = flat(model)
+        old = torch.cat([g.reshape(-1) for g in sync.global_params])
         for step, batch in enumerate(batches[:8]):
             _train(model, inner, [batch])
             if (step + 1) % 2 == 0:
                 hashes.append(flat(model))
-                assert torch.equal(torch.cat([g.reshape(-1) for g in sync.global_params]),
-                                   hashes[-1])  # fmt: skip
+                new = torch.cat([g.reshape(-1) for g in sync.global_params])
+                assert torch.equal(hashes[-1], new + (new - old))  # the copy, one step ahead
+                old = new
         sent, syncs = sync.bytes_sent, sync.syncs
     encoded = {"start": start, "hashes": hashes, "closed": flat(model), "sent": sent,
                "syncs": syncs, "all_sent": sync.bytes_sent}  # fmt: skip
@@ -211,23 +213,31 @@ def overlapped() -> list[dict]:
 
 class TestOverlap:
     """overlap=True is a one-round delay: sync k merges round k-1's mean (exchanged in the
-    background meanwhile), the first sync sends the replicas back to their start point, and
-    closing merges the last round. World size 2."""
+    background meanwhile) and starts round k+1 one outer step ahead of the global copy (the
+    lead: that merge's step again, for round k still in flight); the first sync sends the
+    replicas back to their start point, and closing merges the last round. World size 2."""
 
     def test_dense_is_the_one_round_delay_recurrence(self, overlapped: list[dict]) -> None:
-        """Replayed here in float32 in the same order (Δ = start - local, the sum of two, /2,
-        the outer SGD lr 1 step), the result must match bit for bit."""
+        """Replayed here in float32 in the same order (Δ = start - local with start = global
+        + lead, the sum of two, /2, the outer SGD lr 1 step, lead = new - old global), the
+        result must match bit for bit."""
         runs = [r["dense"] for r in overlapped]
-        g, pending = runs[0]["start"], None
+        g, lead, pending = runs[0]["start"], torch.zeros_like(runs[0]["start"]), None
         for k in range(4):
-            mean = sum(g - run["locals"][k] for run in runs) / 2  # Δ_k from this round's start
-            if pending is not None:
-                g = g - pending  # round k-1's mean, merged at sync k
-            assert all(torch.equal(run["after"][k], g) for run in runs), k
+            start = g + lead
+            mean = sum(start - run["locals"][k] for run in runs) / 2  # Δ_k from its start
+            if pending is None:
+                lead = torch.zeros_like(g)  # sync 1: nothing to merge, back to the copy
+            else:
+                new = g - pending  # round k-1's mean, merged at sync k
+                g, lead = new, new - g
+            assert all(torch.equal(run["after"][k], g + lead) for run in runs), k
             pending = mean
-        # step 9 was taken after the last sync: close() adds the merged move to each replica's
+        assert k == 3 and lead.abs().sum() > 0  # the lead is real from sync 2 on
+        # step 9 was taken after the last sync: close() adds the merged move, less the lead
+        # its round started with, to each replica's own
         for run in runs:
-            assert torch.equal(run["closed"], run["step9"] + ((g - pending) - g))
+            assert torch.equal(run["closed"], run["step9"] + ((g - pending) - g - lead))
         # a round is counted when its exchange completes: none at sync 1, all after close()
         numel = runs[0]["numel"]
         assert runs[0]["counted"] == [(4 * numel * k, 4 * numel * k) for k in range(4)]
@@ -443,10 +453,15 @@ def _rank_resume(rank: int, world: int, tmp: str, part: str, overlap: bool = Fal
         wrong = {**saved, "settings": {**saved["settings"], "overlap": not overlap}}
         with pytest.raises(ValueError, match=f"`overlap` {not overlap} saved, {overlap} here"):
             sync.load_state_dict(wrong)
+        wrong = {**saved, "lead": torch.zeros(3)}
+        with pytest.raises(ValueError, match=r"`lead` .* must be None"):
+            sync.load_state_dict(wrong)
         assert sync.syncs == 0 and (saved["pending"] is not None) == overlap
+        # with overlap, the round in flight started ahead of the copy (sync 2 merged round 1)
+        assert (saved["lead"] is not None and bool(saved["lead"].abs().sum() > 0)) == overlap
         if not overlap:  # a state of format 1 (before overlap) loads as one saved without it
             settings = {k: v for k, v in saved["settings"].items() if k != "overlap"}
-            old = {k: v for k, v in saved.items() if k != "pending"}
+            old = {k: v for k, v in saved.items() if k not in ("pending", "lead")}
             sync.load_state_dict({**old, "format": 1, "settings": settings})
         model.load_state_dict(state["model"])
         inner.load_state_dict(state["inner"])

@@ -68,9 +68,10 @@ DEFAULT_OUTER_LR_SGD = 1.4
 """The default outer learning rate for any other inner optimizer (SGD, momentum SGD): on the
 MNIST CNN with momentum SGD, H=10, 4%, 1.4 stayed 0.20 points from dense (3 seeds; 0.23 at 4
 ranks) where 2.8 lost 1.7."""
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 """The version of :meth:`LocalSteps.state_dict`'s layout (2 added ``pending`` and the
-``overlap`` setting; a version-1 state still loads, as one saved without overlap)."""
+``overlap`` setting, 3 ``lead``; a version-1 state still loads, as one saved without overlap,
+and a version-2 state as one whose round in flight started from the global copy)."""
 
 OuterFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
 
@@ -131,10 +132,13 @@ class LocalSteps:
     exchanges the header (step 1, synchronously, as above), computes Δ_k from the point
     round k started from and encodes it (steps 2-3); then it waits for round k-1's exchange,
     which ran in a background thread during round k, takes the outer step with its mean
-    (steps 5-6) and copies the global copy into the model (step 7: replicas are bit-identical
-    after every merge); then it launches round k's exchange (step 4) in the background. Each
-    round's move is thus applied one round later, onto a global copy that has moved on by
-    one merge (the staleness it costs); none is lost. The first sync has nothing to merge:
+    (steps 5-6) and starts round k+1 from the global copy plus that outer step again (step 7,
+    with a *lead*: the last merge stands in for round k, still in flight; the lead is the
+    same on every rank, so replicas are bit-identical after every merge, and Δ of the next
+    round is taken from that start); then it launches round k's exchange (step 4) in the
+    background. Each round's move is thus applied to the global copy one round later (the
+    staleness it costs, which the lead makes up for in part); none is lost, and the lead
+    never enters the global copy. The first sync has nothing to merge:
     the model goes back to the global copy, its start point, so that every round starts
     from the same point on every rank; its move arrives at the second sync. :meth:`flush`
     merges the round in flight without waiting for the next sync, :meth:`close` and leaving
@@ -266,6 +270,9 @@ class LocalSteps:
         self._mean = torch.zeros_like(self._delta)
         self._round = InFlightRound(self.device) if overlap else None
         """With ``overlap``: the round whose exchange runs in the background."""
+        self._lead = torch.zeros_like(self._delta) if overlap else None
+        """With ``overlap``: the last merge's outer step, by which the round in flight
+        started ahead of the global copy (zero when none was merged)."""
         self._scaler = grad_scaler
         self._handle: Any = None
         if grad_scaler is None:
@@ -406,9 +413,7 @@ class LocalSteps:
                     before, lambda: self._encoded_mean(None, failure, group, number)
                 )
             job = lambda: self._encoded_mean(mine, None, group, number)
-        if self._round.take():
-            self._outer_step()
-        self._take_global()  # the next round's start, alike everywhere (first sync: its own)
+        self._merge(self._round.take())  # the next round's start, alike everywhere
 
         def undo() -> None:  # the exchange failed: nothing of this round stays
             self._put_back(before)
@@ -416,6 +421,27 @@ class LocalSteps:
 
         self._round.launch(job, undo, [e.last_stats for e in self.encoders])
         self.syncs += 1
+
+    def _merge(self, received: bool) -> None:
+        """``overlap``: step the global copy with the round received (if any) and start the
+        next round from it, one outer step ahead (the lead: that step again, standing in for
+        the round still in flight); without a round received, from the global copy itself."""
+        assert self._lead is not None
+        if not received:
+            self._lead.zero_()
+            self._take_global()
+            return
+        for g, e in zip(self.global_params, self._pieces(self._lead), strict=True):
+            e.copy_(g.reshape(-1))
+        self._outer_step()
+        for g, e, p in zip(self.global_params, self._pieces(self._lead), self.params,
+                           strict=True):  # fmt: skip
+            torch.sub(g.reshape(-1), e, out=e)  # the lead: this merge's outer step
+            p.detach().copy_(self._start(g, e))
+
+    def _start(self, g: torch.Tensor, lead: torch.Tensor | None) -> torch.Tensor:
+        """Where the current round started, for global copy ``g`` and its lead."""
+        return g if lead is None else torch.add(g, lead.view_as(g)).to(g.dtype)
 
     def _receive(self) -> None:
         """``overlap``: wait for the round in flight and count its bytes; its mean waits in
@@ -430,10 +456,11 @@ class LocalSteps:
         """Δ = global - local into the float32 buffer; the index of the first parameter whose
         Δ is not finite (-1 when all are)."""
         bad = -1
-        for i, (g, p, d) in enumerate(zip(self.global_params, self.params, self._pieces(),
-                                          strict=True)):  # fmt: skip
+        leads = self._pieces(self._lead) if self._lead is not None else [None] * len(self.params)
+        for i, (g, p, d, e) in enumerate(zip(self.global_params, self.params, self._pieces(),
+                                             leads, strict=True)):  # fmt: skip
             d = d.view_as(g)
-            d.copy_(g)
+            d.copy_(self._start(g, e))
             d.sub_(p.detach().to(self.home))
             if bad < 0 and not bool(torch.isfinite(d).all()):
                 bad = i
@@ -557,14 +584,18 @@ class LocalSteps:
         self._receive()
         if not self._round.take():
             return
+        assert self._lead is not None
         if self.steps % self.sync_every == 0:
+            self._lead.zero_()
             self._outer_step()
             self._take_global()
             return
         old = [g.clone() for g in self.global_params]
         self._outer_step()
-        for p, g, o in zip(self.params, self.global_params, old, strict=True):
-            p.detach().add_(g.sub(o).to(p.device, p.dtype))
+        for p, g, o, e in zip(self.params, self.global_params, old, self._pieces(self._lead),
+                              strict=True):  # fmt: skip
+            p.detach().add_(g.sub(o).sub_(e.view_as(g)).to(p.device, p.dtype))
+        self._lead.zero_()
 
     def metrics(self) -> dict[str, float]:
         """``bytes_sent``, ``dense_bytes``, ``compression``, ``density`` and ``threshold``
@@ -613,6 +644,7 @@ class LocalSteps:
             "encoders": [e.state_dict() for e in self.encoders],
             "outer": self.outer.state_dict(),
             "pending": pending,
+            "lead": None if self._lead is None else self._lead.clone(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -622,14 +654,16 @@ class LocalSteps:
         state = check_mapping(state, "a LocalSteps state")
         legacy = state.get("format") == 1  # from before overlap: saved without, none pending
         if legacy:
-            state = {**state, "format": FORMAT_VERSION, "pending": None}
+            state = {**state, "format": 2, "pending": None}
+        if state.get("format") == 2:  # from before the lead: its rounds started at the copy
+            state = {**state, "format": FORMAT_VERSION, "lead": None}
         missing = {"format", "settings", "steps", "syncs", "bytes_sent", "dense_bytes",
-                   "global", "encoders", "outer", "pending"} - set(state)  # fmt: skip
+                   "global", "encoders", "outer", "pending", "lead"} - set(state)  # fmt: skip
         if missing:
             raise ValueError(f"LocalSteps state is missing {sorted(missing)}: is it one?")
         if state["format"] != FORMAT_VERSION:
             raise ValueError(
-                f"LocalSteps state has format {state['format']!r}, this version reads 1 and "
+                f"LocalSteps state has format {state['format']!r}, this version reads 1 to "
                 f"{FORMAT_VERSION}: resume with the gradshare version that saved it."
             )
         here, saved = self._settings(), check_mapping(state["settings"], "`settings`")
@@ -675,23 +709,9 @@ class LocalSteps:
             if probe.residual is not None:
                 probe.residual = probe.residual.to(self.home)
             probes.append(probe)
-        pending = state["pending"]
-        if pending is not None and (
-            self._round is None
-            or not isinstance(pending, torch.Tensor)
-            or pending.dtype != torch.float32
-            or pending.shape != self._mean.shape
-            or not bool(pending.isfinite().all())
-        ):
-            want = "None" if self._round is None else (
-                f"None or a finite float32 vector of {self.numel} elements"
-            )  # fmt: skip
-            got = (f"{pending.dtype} of shape {tuple(pending.shape)}"
-                   if isinstance(pending, torch.Tensor) else type(pending).__name__)  # fmt: skip
-            raise ValueError(
-                f"LocalSteps state's `pending` (the mean of a round waiting for its merge) must "
-                f"be {want}, got {got}: the checkpoint is of another model or corrupted."
-            )
+        pending, lead = state["pending"], state["lead"]
+        self._check_vector(pending, "`pending` (the mean of a round waiting for its merge)")
+        self._check_vector(lead, "`lead` (the outer step its round in flight started ahead by)")
         copy.deepcopy(self.outer).load_state_dict(state["outer"])  # refuses another's state
         # everything checked: change
         if self._round is not None:
@@ -699,6 +719,10 @@ class LocalSteps:
             self._round.received = pending is not None
             if pending is not None:
                 self._mean.copy_(pending)
+        if self._lead is not None:
+            self._lead.zero_()
+            if lead is not None:
+                self._lead.copy_(lead)
         self.outer.load_state_dict(state["outer"])
         for g, t in zip(self.global_params, glob, strict=True):
             g.copy_(t)
@@ -707,6 +731,26 @@ class LocalSteps:
         self.syncs = counters["syncs"]
         self.bytes_sent = counters["bytes_sent"]
         self.dense_bytes = counters["dense_bytes"]
+
+    def _check_vector(self, value: Any, what: str) -> None:
+        """A saved overlap vector: None, or (with overlap) a finite float32 vector."""
+        if value is None or (
+            self._round is not None
+            and isinstance(value, torch.Tensor)
+            and value.dtype == torch.float32
+            and value.shape == self._mean.shape
+            and bool(value.isfinite().all())
+        ):
+            return
+        want = "None" if self._round is None else (
+            f"None or a finite float32 vector of {self.numel} elements"
+        )  # fmt: skip
+        got = (f"{value.dtype} of shape {tuple(value.shape)}"
+               if isinstance(value, torch.Tensor) else type(value).__name__)  # fmt: skip
+        raise ValueError(
+            f"LocalSteps state's {what} must be {want}, got {got}: the checkpoint is of "
+            "another model or corrupted."
+        )
 
     # ------------------------------------------------------------------ lifetime
 
