@@ -453,8 +453,9 @@ class LocalSteps:
             self.dense_bytes += 4 * self.numel
 
     def _compute_delta(self) -> int:
-        """Δ = global - local into the float32 buffer; the index of the first parameter whose
-        Δ is not finite (-1 when all are)."""
+        """Δ = start - local into the float32 buffer (the start: the global copy, plus the
+        lead with overlap); the index of the first parameter whose Δ is not finite (-1 when
+        all are)."""
         bad = -1
         leads = self._pieces(self._lead) if self._lead is not None else [None] * len(self.params)
         for i, (g, p, d, e) in enumerate(zip(self.global_params, self.params, self._pieces(),
