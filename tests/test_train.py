@@ -220,6 +220,22 @@ def _children(pid: int) -> list[int]:
     return kids
 
 
+def _alive(pids: list[int]) -> list[str]:
+    """Each process of ``pids`` and its children that still exists: pid, state, command line."""
+    family = list(pids)
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            family += _children(pid)
+    seen: list[str] = []
+    for k in dict.fromkeys(family):
+        with contextlib.suppress(OSError):
+            status = Path(f"/proc/{k}/status").read_text().splitlines()
+            state = next(line for line in status if line.startswith("State"))
+            cmd = Path(f"/proc/{k}/cmdline").read_text().replace("\0", " ")[:120]
+            seen.append(f"{k} {state} {cmd}")
+    return seen
+
+
 def test_ctrl_c_to_the_parent_stops_every_rank(tmp_path: Path) -> None:
     """SIGINT to `gradshare train --mode distributed` alone left it waiting forever on ranks
     that kept training; now it stops them, says so in one line and exits 130."""
@@ -237,7 +253,10 @@ def test_ctrl_c_to_the_parent_stops_every_rank(tmp_path: Path) -> None:
         assert len(ranks) == 2, "the ranks did not start"
         time.sleep(3)  # training
         proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=30)
+        try:
+            _, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"no exit 30 s after SIGINT; still there: {_alive([proc.pid, *ranks])}")
     finally:
         proc.kill()
     assert proc.returncode == 130, err[-2000:]

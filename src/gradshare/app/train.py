@@ -12,6 +12,7 @@ and the plot.
 from __future__ import annotations
 
 import math
+import multiprocessing
 import os
 import tempfile
 import time
@@ -436,15 +437,19 @@ def _run_distributed(config: TrainConfig, name: str, split: Split, bar: Any) -> 
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:
-        context = mp.start_processes(
-            _rank_main, args=(config, name, rendezvous_port(), tmp), nprocs=config.workers,
-            join=False, start_method="spawn",
-        )  # fmt: skip
+        context = None
         try:
+            # daemonic: should anything leave a rank running, the interpreter's exit ends it
+            # instead of waiting for it
+            context = mp.start_processes(
+                _rank_main, args=(config, name, rendezvous_port(), tmp), nprocs=config.workers,
+                join=False, daemon=True, start_method="spawn",
+            )  # fmt: skip
             while not context.join():
                 pass
         except BaseException:  # Ctrl-C (or a failed rank): stop every rank, then raise
-            _stop(context.processes)
+            # a Ctrl-C while the ranks start leaves no context: stop those already started
+            _stop(context.processes if context is not None else multiprocessing.active_children())
             diverged = sorted(Path(tmp).glob("diverged-rank*.txt"))
             if diverged:
                 raise Diverged(diverged[0].read_text()) from None
