@@ -27,7 +27,9 @@ Methods:
 * ``dense``: DDP, the baseline (4 bytes per element per step).
 * ``local-H{h}``: ``LocalSteps(model, opt, sync_every=h)`` with every default (what users
   call); ``local-H{h}-d{pct}`` sets ``density=pct/100``; suffixes ``-lr{x}`` (outer SGD lr),
-  ``-b{x}`` (decay β) override one more default each, ``-mean`` sets ``magnitude="mean"``
+  ``-b{x}`` (decay β) override one more default each, ``-w{n}`` passes
+  ``threshold=QuantileThreshold(density, warmup=n)`` (the density starts at 25% and falls to
+  ``density`` over the first n syncs), ``-mean`` sets ``magnitude="mean"``
   (each sent entry carries the mean magnitude of what its tensor sends, not the threshold),
   ``-nesterov`` makes the outer SGD DiLoCo's Nesterov momentum 0.9 (lr 0.7 unless ``-lr``).
 * ``diloco-dense`` / ``diloco-dense-H{h}``: ``LocalSteps(dense=True)`` with DiLoCo's outer
@@ -89,7 +91,8 @@ RESULTS = Path(__file__).resolve().parent / "results"
 DILOCO_LR, DILOCO_MOMENTUM = 0.7, 0.9
 METHOD = re.compile(
     r"^(?P<kind>local|diloco-dense|postlocal|torchft)(-H(?P<h>\d+))?(-d(?P<pct>[\d.]+))?"
-    r"(-lr(?P<lr>[\d.]+))?(-b(?P<beta>[\d.]+))?(?P<mean>-mean)?(?P<nesterov>-nesterov)?"
+    r"(-lr(?P<lr>[\d.]+))?(-b(?P<beta>[\d.]+))?(-w(?P<warmup>\d+))?(?P<mean>-mean)?"
+    r"(?P<nesterov>-nesterov)?"
     r"(?P<overlap>-overlap)?$"
 )
 _TORCHFT_RUNS = itertools.count()
@@ -148,6 +151,12 @@ def build(name: str, model: nn.Module, opt: torch.optim.Optimizer, steps: int) -
             kwargs["outer_optimizer"] = lambda p: torch.optim.SGD(p, lr=lr)
         if m["beta"]:
             kwargs["decay"] = float(m["beta"])
+        if m["warmup"]:
+            from gradshare.distributed.local_steps import DEFAULT_DENSITY
+
+            density = float(m["pct"]) / 100 if m["pct"] else DEFAULT_DENSITY
+            kwargs.pop("density", None)
+            kwargs["threshold"] = gradshare.QuantileThreshold(density, warmup=int(m["warmup"]))
         if m["mean"]:
             kwargs["magnitude"] = "mean"
         if m["overlap"]:
