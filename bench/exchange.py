@@ -20,9 +20,11 @@ with the settings a user gets by default:
 * ``hook-1%``: the same hook with ``threshold=gradshare.QuantileThreshold(0.01)``: t set each
   step so that about 1% of the elements go out (about PowerSGD-4's bytes on this GPT);
 * ``shared``: ``gradshare.SharedOptimizer(adamw)`` with its defaults (no DDP);
-* ``local``, ``local-overlap``: ``gradshare.LocalSteps(model, adamw, sync_every=10)`` with
-  its defaults, and with ``overlap=True`` (no DDP); timed over whole rounds of 10 steps, each
-  ending with its sync, after one untimed round; ``ms/step`` is their mean, not the median;
+* ``local``, ``local-overlap``, ``local-overlap{τ}``: ``gradshare.LocalSteps(model, adamw,
+  sync_every=10)`` with its defaults, with ``overlap=True`` (merged at the next sync) and
+  with ``overlap=τ`` (merged τ steps after its sync; τ 1, 2 or 5) (no DDP); timed over
+  whole rounds of 10 steps, each ending with its sync, after one untimed round;
+  ``ms/step`` is their mean, not the median;
 
 and ``compute``: the same forward, backward and optimizer step with no exchange at all
 (measured first and last; the faster is kept, so a slow moment cannot shrink ``exchange``).
@@ -80,13 +82,15 @@ from _models import gpt, lm_loss, powersgd_bytes, text, text_batch, vocab_size
 
 RESULTS = Path(__file__).resolve().parent / "results"
 METHODS = ["compute", "dense", "fp16", "powersgd-1", "powersgd-4", "hook", "hook-1%", "shared",
-           "local", "local-overlap"]  # fmt: skip
+           "local", "local-overlap", "local-overlap1", "local-overlap2",
+           "local-overlap5"]  # fmt: skip
 LOCAL_H = 10
 """``sync_every`` of the ``local`` methods."""
 MODELS = ["gpt", "square"]
 LAYERS = 5
 WARMUP = {"dense": 2, "fp16": 2, "powersgd-1": 3, "powersgd-4": 3, "hook": 10, "hook-1%": 10,
-          "shared": 10, "compute": 2, "local": LOCAL_H, "local-overlap": LOCAL_H}  # fmt: skip
+          "shared": 10, "compute": 2}  # fmt: skip
+WARMUP.update({m: LOCAL_H for m in METHODS if m.startswith("local")})
 BUDGET_S = 60.0
 """Most seconds of timed steps per method (at least 2 steps are timed)."""
 RATES = ["none", "1gbit", "100mbit"]
@@ -163,8 +167,9 @@ def _method(method: str, rank: int, world: int, model: str, numel: int, steps: i
         opt = gradshare.SharedOptimizer(opt)
     local = None
     if method.startswith("local"):
-        local = gradshare.LocalSteps(net, opt, sync_every=LOCAL_H,
-                                     overlap=method == "local-overlap")  # fmt: skip
+        tau = method.removeprefix("local").removeprefix("-overlap")
+        overlap = (int(tau) if tau else True) if method.startswith("local-overlap") else False
+        local = gradshare.LocalSteps(net, opt, sync_every=LOCAL_H, overlap=overlap)
     sent0 = [0]
 
     def step(i: int) -> None:
@@ -266,14 +271,14 @@ def measure(
                    "--methods", *methods, "--out", str(out)]  # fmt: skip
             subprocess.run(cmd, check=True, timeout=3600)
             raw = json.loads(out.read_text())
-    dense_ms = next(r["ms"] for r in raw if r["method"] == "dense")
+    dense_ms = next((r["ms"] for r in raw if r["method"] == "dense"), None)  # when measured
     compute_ms = next(r["ms"] for r in raw if r["method"] == "compute")
     rows = []
     for r in raw:
         row = Row(model, rate, world, r["method"], r["numel"], r["ms"], r["bytes"],
                   r["density"], r["steps"])  # fmt: skip
         if r["method"] != "compute":
-            row.speedup_vs_dense = dense_ms / r["ms"]
+            row.speedup_vs_dense = None if dense_ms is None else dense_ms / r["ms"]
             row.exchange_ms = max(r["ms"] - compute_ms, 0.0)
             row.exchange_share = row.exchange_ms / r["ms"]
         rows.append(row)

@@ -43,7 +43,8 @@ Methods:
   constraints.txt torchft==0.2.0``) as published: a ``LighthouseServer`` in the parent, per
   rank a replica group of one (its own TCPStore, ``Manager(ProcessGroupGloo(),
   use_async_quorum=False, init_sync=False)``), outer Nesterov SGD 0.7 / 0.9, dense float32.
-* ``-overlap`` (after any ``local`` method): ``overlap=True``, the one-round delay.
+* ``-overlap`` (after any ``local`` method): ``overlap=True``, merged at the next sync;
+  ``-overlap{τ}``: ``overlap=τ``, merged τ inner steps after its sync.
 * ``shared-ddp``: ``SharedOptimizer(opt, threshold=QuantileThreshold(0.01), ddp=net)`` (as
   ``bench/workloads.py``'s ``shared-ddp-1%``): the best every-step gradshare path.
 
@@ -93,7 +94,7 @@ METHOD = re.compile(
     r"^(?P<kind>local|diloco-dense|postlocal|torchft)(-H(?P<h>\d+))?(-d(?P<pct>[\d.]+))?"
     r"(-lr(?P<lr>[\d.]+))?(-b(?P<beta>[\d.]+))?(-w(?P<warmup>\d+))?(?P<mean>-mean)?"
     r"(?P<nesterov>-nesterov)?"
-    r"(?P<overlap>-overlap)?$"
+    r"(?P<overlap>-overlap(?P<tau>\d+)?)?$"
 )
 _TORCHFT_RUNS = itertools.count()
 """torchft runs in this rank so far: each run's replicas join the lighthouse under new ids."""
@@ -160,7 +161,7 @@ def build(name: str, model: nn.Module, opt: torch.optim.Optimizer, steps: int) -
         if m["mean"]:
             kwargs["magnitude"] = "mean"
         if m["overlap"]:
-            kwargs["overlap"] = True
+            kwargs["overlap"] = int(m["tau"]) if m["tau"] else True
     sync = gradshare.LocalSteps(model, opt, sync_every=h, **kwargs)
     outer = sync.outer.param_groups[0]
     settings = {"sync_every": h, "density": sync.density, "decay": sync.decay,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -169,41 +170,41 @@ class TestSyncLaws:
                 torch.testing.assert_close(r["dense"]["after"][k], mean)
 
 
+def _recorder(model: nn.Module, into: list) -> Callable[..., None]:
+    """A step post-hook that appends the model's parameters to ``into``."""
+    return lambda *_: into.append(flat(model))
+
+
 def _rank_overlap(rank: int, world: int) -> dict:
-    """overlap=True: dense with outer SGD lr 1 (exact arithmetic), then encoded."""
+    """overlap: dense with outer SGD lr 1 (exact arithmetic) at τ = H = 2 (``True``) and τ = 1,
+    then encoded with every default, both τ. Per step: the model after the step's hooks, and
+    the global copy."""
     batches = toy_batches(9 * world, seed=3)[rank::world]
-    model = toy_model(seed=rank)
-    inner = torch.optim.SGD(model.parameters(), lr=0.1)
-    locals_: list = []
-    inner.register_step_post_hook(lambda *_: locals_.append(flat(model)))  # runs first
-    sync = LocalSteps(model, inner, sync_every=2, dense=True, overlap=True,
-                      outer_optimizer=lambda p: torch.optim.SGD(p, lr=1.0))  # fmt: skip
-    start, after, counted = flat(model), [], []
-    for step, batch in enumerate(batches):
-        _train(model, inner, [batch])
-        if (step + 1) % 2 == 0:
-            after.append(flat(model))
-            counted.append((sync.bytes_sent, sync.dense_bytes))
-    sync.close()  # after step 9: the last merge is added to this replica's own step
-    dense = {"start": start, "locals": locals_[1::2], "step9": locals_[-1], "after": after,
-             "closed": flat(model), "counted": counted, "numel": sync.numel}  # fmt: skip
-    model = toy_model(seed=rank)
-    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    hashes = []
-    with LocalSteps(model, inner, sync_every=2, overlap=True) as sync:
-        start = flat(model)
-        old = torch.cat([g.reshape(-1) for g in sync.global_params])
-        for step, batch in enumerate(batches[:8]):
-            _train(model, inner, [batch])
-            if (step + 1) % 2 == 0:
-                hashes.append(flat(model))
-                new = torch.cat([g.reshape(-1) for g in sync.global_params])
-                assert torch.equal(hashes[-1], new + (new - old))  # the copy, one step ahead
-                old = new
-        sent, syncs = sync.bytes_sent, sync.syncs
-    encoded = {"start": start, "hashes": hashes, "closed": flat(model), "sent": sent,
-               "syncs": syncs, "all_sent": sync.bytes_sent}  # fmt: skip
-    return {"dense": dense, "encoded": encoded}
+    out: dict = {}
+    for tau in (2, 1):
+        for dense in (True, False):
+            model = toy_model(seed=rank)
+            if dense:
+                inner: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            else:
+                inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            locals_: list = []
+            inner.register_step_post_hook(_recorder(model, locals_))  # runs first
+            kwargs: dict = {"dense": True, "outer_optimizer": lambda p: torch.optim.SGD(
+                p, lr=1.0)} if dense else {}  # fmt: skip
+            sync = LocalSteps(model, inner, sync_every=2, overlap=True if tau == 2 else tau,
+                              **kwargs)  # fmt: skip
+            start, after, copies, counted = flat(model), [], [], []
+            for batch in batches:
+                _train(model, inner, [batch])
+                after.append(flat(model))
+                copies.append(torch.cat([g.reshape(-1) for g in sync.global_params]))
+                counted.append((sync.bytes_sent, sync.dense_bytes))
+            sync.close()  # after step 9
+            out[(tau, dense)] = {"start": start, "locals": locals_, "after": after,
+                                 "copies": copies, "closed": flat(model), "counted": counted,
+                                 "numel": sync.numel, "syncs": sync.syncs}  # fmt: skip
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -211,48 +212,93 @@ def overlapped() -> list[dict]:
     return [r.get() for r in pooled(_rank_overlap, 2)]
 
 
-class TestOverlap:
-    """overlap=True is a one-round delay: sync k merges round k-1's mean (exchanged in the
-    background meanwhile) and starts round k+1 one outer step ahead of the global copy (the
-    lead: that merge's step again, for round k still in flight); the first sync sends the
-    replicas back to their start point, and closing merges the last round. World size 2."""
-
-    def test_dense_is_the_one_round_delay_recurrence(self, overlapped: list[dict]) -> None:
-        """Replayed here in float32 in the same order (Δ = start - local with start = global
-        + lead, the sum of two, /2, the outer SGD lr 1 step, lead = new - old global), the
-        result must match bit for bit."""
-        runs = [r["dense"] for r in overlapped]
-        g, lead, pending = runs[0]["start"], torch.zeros_like(runs[0]["start"]), None
-        for k in range(4):
-            start = g + lead
-            mean = sum(start - run["locals"][k] for run in runs) / 2  # Δ_k from its start
+def _replay(runs: list[dict], tau: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """LocalSteps(sync_every=2, overlap=tau, dense, outer SGD lr 1) replayed in float32 in the
+    same order from the ranks' recorded local steps: the model after each of the 9 steps (the
+    same on both ranks at a merge, each rank's own otherwise) and after close(), per rank."""
+    g, pending = runs[0]["start"], None
+    base = [torch.zeros_like(g) for _ in runs]  # the carry (offset from g), or the sent-from
+    after: list = [[] for _ in runs]
+    for step in range(1, 10):
+        local = [run["locals"][step - 1] for run in runs]
+        model = list(local)
+        if tau == 1 and step % 2 == 1 and pending is not None:  # the merge, 1 step after a sync
+            base = [b - x for b, x in zip(base, local, strict=True)]  # the carry
+            g, pending = g - pending, None
+            model = [g, g]
+        if step % 2 == 0:  # a sync
             if pending is None:
-                lead = torch.zeros_like(g)  # sync 1: nothing to merge, back to the copy
-            else:
-                new = g - pending  # round k-1's mean, merged at sync k
-                g, lead = new, new - g
-            assert all(torch.equal(run["after"][k], g + lead) for run in runs), k
-            pending = mean
-        assert k == 3 and lead.abs().sum() > 0  # the lead is real from sync 2 on
-        # step 9 was taken after the last sync: close() adds the merged move, less the lead
-        # its round started with, to each replica's own
-        for run in runs:
-            assert torch.equal(run["closed"], run["step9"] + ((g - pending) - g - lead))
-        # a round is counted when its exchange completes: none at sync 1, all after close()
-        numel = runs[0]["numel"]
-        assert runs[0]["counted"] == [(4 * numel * k, 4 * numel * k) for k in range(4)]
+                deltas = [(g + b) - x for b, x in zip(base, local, strict=True)]
+                base = list(local)
+            else:  # τ = 2: Δ from the sent-from, then the merge with its lead
+                deltas = [b - x for b, x in zip(base, local, strict=True)]
+                old, g = g, g - pending
+                lead = g - old
+                model = [g + lead, g + lead]
+                base = list(model)
+            pending = (deltas[0] + deltas[1]) / 2
+        for r in range(len(runs)):
+            after[r].append(model[r])
+    closed = []
+    for r, run in enumerate(runs):
+        if pending is not None:  # close(): the round in flight, with the moves since its send
+            closed.append((g - pending) + (run["locals"][-1] - base[r]))
+        else:  # nothing in flight: the carry back into the model
+            closed.append(after[r][-1] - base[r])
+    return after, torch.stack(closed)
 
+
+class TestOverlap:
+    """overlap=τ: each sync's exchange runs during the next τ steps, then its mean is merged
+    and the model takes the global copy (with τ = sync_every a lead: that merge's step
+    again); what a replica moved meanwhile is its carry, sent with the next sync. Closing
+    merges what is in flight and gives the carry back. World size 2, sync_every 2."""
+
+    @pytest.mark.parametrize("tau", [2, 1])
+    def test_dense_is_the_recurrence(self, overlapped: list[dict], tau: int) -> None:
+        """Replayed here in float32 in the same order, every step's model and the closed one
+        must match bit for bit."""
+        runs = [r[(tau, True)] for r in overlapped]
+        after, closed = _replay(runs, tau)
+        for r, run in enumerate(runs):
+            for step in range(9):
+                assert torch.equal(run["after"][step], after[r][step]), (r, step + 1)
+            assert torch.equal(run["closed"], closed[r])
+        # the merges: step 4, 6, 8 (τ 2) or 3, 5, 7, 9 (τ 1) leave the replicas alike
+        merges = [4, 6, 8] if tau == 2 else [3, 5, 7, 9]
+        for step in merges:
+            assert torch.equal(runs[0]["after"][step - 1], runs[1]["after"][step - 1]), step
+        assert not torch.equal(runs[0]["after"][1], runs[1]["after"][1])  # sync 1 merges none
+        if tau == 2:  # the lead is real: the model is ahead of the copy at every merge
+            assert not torch.equal(runs[0]["after"][3], runs[0]["copies"][3])
+        else:
+            for step in merges:
+                assert torch.equal(runs[0]["after"][step - 1], runs[0]["copies"][step - 1])
+        # a round is counted when its exchange completes
+        numel = runs[0]["numel"]
+        done = [sum(1 for m in merges if m <= step) for step in range(1, 10)]
+        assert runs[0]["counted"] == [(4 * numel * k, 4 * numel * k) for k in done]
+        assert runs[0]["syncs"] == 4
+
+    @pytest.mark.parametrize("tau", [2, 1])
     def test_encoded_replicas_are_bit_identical_at_every_merge(
-        self, overlapped: list[dict]
+        self, overlapped: list[dict], tau: int
     ) -> None:
-        runs = [r["encoded"] for r in overlapped]
-        for k in range(4):
-            assert torch.equal(runs[0]["hashes"][k], runs[1]["hashes"][k]), k
-        assert torch.equal(runs[0]["closed"], runs[1]["closed"])  # the `with` block flushed
-        assert torch.equal(runs[0]["hashes"][0], runs[0]["start"])  # sync 1: nothing to merge
-        assert not torch.equal(runs[0]["closed"], runs[0]["hashes"][-1])
-        for run in runs:
-            assert run["syncs"] == 4 and 0 < run["sent"] < run["all_sent"]
+        runs = [r[(tau, False)] for r in overlapped]
+        merges = [4, 6, 8] if tau == 2 else [3, 5, 7, 9]
+        for step in merges:
+            assert torch.equal(runs[0]["after"][step - 1], runs[1]["after"][step - 1]), step
+            copy = runs[0]["copies"][step - 1]
+            if tau == 1:
+                assert torch.equal(runs[0]["after"][step - 1], copy)
+            else:  # one outer step ahead of the copy: the step just taken, again
+                old = runs[0]["copies"][step - 3]
+                assert torch.equal(runs[0]["after"][step - 1], copy + (copy - old))
+        for step in (1, 2):  # no merge yet: each replica its own
+            assert not torch.equal(runs[0]["after"][step - 1], runs[1]["after"][step - 1])
+        for run in runs:  # bytes counted at the merges only
+            sent = [c[0] for c in run["counted"]]
+            assert run["syncs"] == 4 and sent[merges[0] - 2] == 0 < sent[merges[0] - 1] < sent[-1]
 
 
 def _rank_refusals(rank: int, world: int) -> dict:
@@ -342,8 +388,7 @@ def _rank_two(rank: int, world: int, tmp: str) -> dict:
     return {
         **_rank_refusals(rank, world),
         "scaler": _rank_grad_scaler(rank, world),
-        "whole": _rank_resume(rank, world, tmp, "whole"),
-        "whole overlap": _rank_resume(rank, world, tmp, "whole", True),
+        **{f"whole {tau}": _rank_resume(rank, world, tmp, "whole", tau) for tau in OVERLAPS},
     }
 
 
@@ -375,7 +420,7 @@ class TestRefusals:
         """The ranks would issue their collectives in different orders."""
         msg = results[0]["overlap"]
         assert msg == results[1]["overlap"]
-        assert "`overlap` True on rank 0, False on rank 1" in msg
+        assert "`overlap` 2 on rank 0, 0 on rank 1" in msg  # True: merged at the next sync
 
     def test_nan_on_one_rank_changes_nothing_anywhere(self, results: list[dict]) -> None:
         msg = results[0]["nan"]
@@ -429,14 +474,19 @@ def test_lost_peer_raises_within_the_timeout(kind: str, overlap: bool) -> None:
     assert lost.error == ("ZeroDivisionError" if kind == "raise" else "Killed")
 
 
-def _rank_resume(rank: int, world: int, tmp: str, part: str, overlap: bool = False) -> torch.Tensor:
+OVERLAPS = (0, True, 3, 1)
+"""The resume is checked without overlap, and with τ 4 (``True``), 3 and 1 at sync_every 4."""
+
+
+def _rank_resume(rank: int, world: int, tmp: str, part: str, overlap: int = 0) -> torch.Tensor:
     """``whole``: 20 steps, saving at 10. ``resumed``: new processes load step 10, do 10.
-    With overlap, round 1 (of the sync at step 8) is in flight at step 10."""
+    With overlap τ 4 or 3, round 2 (of the sync at step 8) is in flight at step 10; with τ 1
+    it was merged at step 9, and the carry of step 9 waits."""
     batches = toy_batches(20 * world, seed=2)[rank::world]
     model = toy_model(seed=5)
     inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sync = LocalSteps(model, inner, sync_every=4, decay=0.9, timeout=30, overlap=overlap)
-    path = Path(tmp) / f"rank{rank}{'-overlap' if overlap else ''}.pt"
+    path = Path(tmp) / f"rank{rank}-overlap{overlap}.pt"
     if part == "whole":
         _train(model, inner, batches[:10])
         torch.save({"model": model.state_dict(), "inner": inner.state_dict(),
@@ -450,19 +500,27 @@ def _rank_resume(rank: int, world: int, tmp: str, part: str, overlap: bool = Fal
         wrong = {**saved, "global": 7}  # junk where a list belongs: a ValueError, not len()'s
         with pytest.raises(ValueError, match="`encoders` and `global` must be lists"):
             sync.load_state_dict(wrong)
-        wrong = {**saved, "settings": {**saved["settings"], "overlap": not overlap}}
-        with pytest.raises(ValueError, match=f"`overlap` {not overlap} saved, {overlap} here"):
+        tau = sync.overlap
+        wrong = {**saved, "settings": {**saved["settings"], "overlap": 2}}
+        with pytest.raises(ValueError, match=f"`overlap` 2 saved, {tau} here"):
             sync.load_state_dict(wrong)
-        wrong = {**saved, "lead": torch.zeros(3)}
-        with pytest.raises(ValueError, match=r"`lead` .* must be None"):
+        wrong = {**saved, "base": torch.zeros(3)}
+        with pytest.raises(ValueError, match=r"`base` .* must be None"):
             sync.load_state_dict(wrong)
-        assert sync.syncs == 0 and (saved["pending"] is not None) == overlap
-        # with overlap, the round in flight started ahead of the copy (sync 2 merged round 1)
-        assert (saved["lead"] is not None and bool(saved["lead"].abs().sum() > 0)) == overlap
+        assert sync.syncs == 0 and (saved["pending"] is not None) == (tau in (3, 4))
+        # with overlap: where the round in flight was sent from, or (τ 1) the carry
+        assert (saved["base"] is not None and bool(saved["base"].abs().sum() > 0)) == bool(tau)
         if not overlap:  # a state of format 1 (before overlap) loads as one saved without it
             settings = {k: v for k, v in saved["settings"].items() if k != "overlap"}
-            old = {k: v for k, v in saved.items() if k not in ("pending", "lead")}
+            old = {k: v for k, v in saved.items() if k not in ("pending", "base")}
             sync.load_state_dict({**old, "format": 1, "settings": settings})
+        if overlap is True:  # format 3: `lead`, relative to the copy, and overlap a bool
+            glob = torch.cat([g.reshape(-1) for g in saved["global"]])
+            old = {k: v for k, v in saved.items() if k != "base"}
+            sync.load_state_dict({**old, "format": 3, "lead": saved["base"] - glob,
+                                  "settings": {**saved["settings"], "overlap": True}})  # fmt: skip
+            assert sync._base is not None
+            torch.testing.assert_close(sync._base, saved["base"])
         model.load_state_dict(state["model"])
         inner.load_state_dict(state["inner"])
         sync.load_state_dict(saved)
@@ -473,11 +531,11 @@ def _rank_resume(rank: int, world: int, tmp: str, part: str, overlap: bool = Fal
     return flat(model)
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_resumed_run_is_bit_identical(two: tuple[list[dict], Path], overlap: bool) -> None:
+@pytest.mark.parametrize("overlap", OVERLAPS)
+def test_resumed_run_is_bit_identical(two: tuple[list[dict], Path], overlap: int) -> None:
     """20 steps straight vs 10, save, new processes, load, 10: the same bits (with overlap,
     saved with a round in flight)."""
-    whole = [r["whole overlap" if overlap else "whole"] for r in two[0]]
+    whole = [r[f"whole {overlap}"] for r in two[0]]
     resumed = [r.get() for r in pooled(_rank_resume, 2, str(two[1]), "resumed", overlap)]
     for a, b in zip(whole, resumed, strict=True):
         assert torch.equal(a, b)
@@ -518,7 +576,8 @@ def test_bad_arguments_are_refused_naming_the_fix() -> None:
         ({"density": 0.5}, ValueError, "density=1.0"),
         ({"decay": 1.1}, ValueError, r"`decay` in \[0, 1\]"),
         ({"decay": -0.1}, ValueError, r"`decay` in \[0, 1\]"),
-        ({"overlap": 1}, TypeError, "`overlap` to be a bool"),
+        ({"overlap": "yes"}, TypeError, "`overlap` to be a bool or an int in"),
+        ({"overlap": 3}, ValueError, r"`overlap` to be a bool or an int in \[0, sync_every=2\]"),
     ]
     for kwargs, error, match in cases:
         args = {"sync_every": 2, **kwargs}
@@ -561,7 +620,8 @@ def _rank_failed_exchange(rank: int, world: int, overlap: bool) -> bool:
     """The exchange fails after this rank encoded (a peer lost mid-sync): every encoder is as
     it was before the sync (residual after the decay and the encoded Δ, threshold state), and
     the replica keeps its local move for the sync that follows. With overlap the exchange
-    fails in the background, and the next flush (or sync) raises and puts the encoders back."""
+    fails in the background, and the next flush (or sync) raises and puts the encoders back;
+    the next Δ, from the global copy plus the carry, is round 1's again."""
     import gradshare.distributed.local_steps as module
 
     model = toy_model()
@@ -576,6 +636,8 @@ def _rank_failed_exchange(rank: int, world: int, overlap: bool) -> bool:
 
     module.exchange_messages = lost  # type: ignore[assignment]
     try:
+        locals_: list = []
+        inner.register_step_post_hook(_recorder(model, locals_))  # before the sync's hook
         sync = LocalSteps(model, inner, sync_every=2, decay=0.9, timeout=10, overlap=overlap)
         _train(model, inner, batches[:2])  # round 0 goes through: the residuals hold something
         before = [e.state_dict() for e in sync.encoders]
@@ -593,7 +655,11 @@ def _rank_failed_exchange(rank: int, world: int, overlap: bool) -> bool:
         and a["last"] == b["last"]
         for a, b in zip(before, after, strict=True)
     )  # fmt: skip
-    return same and sync.syncs == 1
+    kept = True
+    if overlap:  # round 1 was sent from step 2's replica (sync 1 merged nothing) at step 4
+        start = torch.cat([g.reshape(-1) for g in sync.global_params]) + sync._base
+        kept = torch.allclose(start - flat(model), locals_[1] - locals_[3], atol=1e-6)
+    return same and sync.syncs == 1 and kept
 
 
 @pytest.mark.parametrize("overlap", [False, True])

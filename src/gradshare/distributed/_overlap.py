@@ -1,8 +1,7 @@
-"""The round in flight of ``LocalSteps(overlap=True)``: its exchange in a background thread.
+"""The round in flight of ``LocalSteps(overlap=τ)``: its exchange in a background thread.
 
-With overlap, round k's exchange runs while every rank takes the next ``sync_every`` inner
-steps, and its mean is merged at sync k+1 (:class:`~gradshare.LocalSteps` tells the whole
-story). :class:`InFlightRound` holds that one round: the background thread, the round's
+With overlap, round k's exchange runs while every rank takes the next τ inner steps, and its
+mean is merged after them (:class:`~gradshare.LocalSteps` tells the whole story). :class:`InFlightRound` holds that one round: the background thread, the round's
 future, what undoes the round should its exchange fail, and whether its mean waits for the
 merge. It knows nothing of the exchange itself: LocalSteps hands it a job.
 """
@@ -23,8 +22,8 @@ logger = logging.getLogger(__name__)
 
 
 class InFlightRound:
-    """The round of an ``overlap=True`` LocalSteps whose exchange runs in the background,
-    then its mean until the merge.
+    """The round of an overlapping LocalSteps whose exchange runs in the background, then
+    its mean until the merge.
 
     One at a time: :meth:`launch` hands the exchange to a one-thread
     :class:`~gradshare.distributed.exchange.Pipeline`, which then issues the only collectives

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
@@ -68,10 +69,11 @@ DEFAULT_OUTER_LR_SGD = 1.4
 """The default outer learning rate for any other inner optimizer (SGD, momentum SGD): on the
 MNIST CNN with momentum SGD, H=10, 4%, 1.4 stayed 0.20 points from dense (3 seeds; 0.23 at 4
 ranks) where 2.8 lost 1.7."""
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 """The version of :meth:`LocalSteps.state_dict`'s layout (2 added ``pending`` and the
-``overlap`` setting, 3 ``lead``; a version-1 state still loads, as one saved without overlap,
-and a version-2 state as one whose round in flight started from the global copy)."""
+``overlap`` setting, 3 ``lead``, 4 ``base`` in its place and ``overlap`` in steps; states of
+versions 1 to 3 still load: 1 as one saved without overlap, 2 as one whose round in flight
+started from the global copy, 3 as one of ``overlap=True``)."""
 
 OuterFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
 
@@ -127,27 +129,28 @@ class LocalSteps:
     ``grad_scaler=scaler``: iterations are then counted by ``scaler.update()``, which every
     rank calls every iteration, and a rank whose step was skipped still syncs when due.
 
-    Overlap (``overlap=True``): a one-round delay, so that the exchange runs while the ranks
-    take their next ``sync_every`` inner steps instead of stopping them. At sync k, every rank
-    exchanges the header (step 1, synchronously, as above), computes Δ_k from the point
-    round k started from and encodes it (steps 2-3); then it waits for round k-1's exchange,
-    which ran in a background thread during round k, takes the outer step with its mean
-    (steps 5-6) and starts round k+1 from the global copy plus that outer step again (step 7,
-    with a *lead*: the last merge stands in for round k, still in flight; the lead is the
-    same on every rank, so replicas are bit-identical after every merge, and Δ of the next
-    round is taken from that start); then it launches round k's exchange (step 4) in the
-    background. Each round's move is thus applied to the global copy one round later (the
-    staleness it costs, which the lead makes up for in part); none is lost, and the lead
-    never enters the global copy. The first sync has nothing to merge:
-    the model goes back to the global copy, its start point, so that every round starts
-    from the same point on every rank; its move arrives at the second sync. :meth:`flush`
-    merges the round in flight without waiting for the next sync, :meth:`close` and leaving
-    the ``with`` block flush; :meth:`state_dict` waits for it and saves its mean. A failed
-    background exchange raises, at the next sync, :meth:`flush`, :meth:`close` or
-    :meth:`state_dict`, the error the exchange raised (an
-    :class:`~gradshare.ExchangeError` for a lost peer), with every encoder put back as it
-    was before that round. ``bytes_sent``, ``dense_bytes`` and :meth:`metrics` count a
-    round when its exchange completes; ``syncs`` counts the rounds started.
+    Overlap (``overlap=τ``, an int in [1, ``sync_every``]; ``True`` is ``sync_every``): the
+    exchange runs in a background thread while the ranks take their next τ inner steps,
+    instead of stopping them. At sync k every rank exchanges the header (step 1,
+    synchronously, as above), encodes Δ_k (steps 2-3), launches its exchange (step 4) and
+    goes on training. After the τ-th step that follows, it waits for the exchange, takes the
+    outer step with its mean (steps 5-6) and the model takes the global copy (step 7): the
+    replicas are bit-identical after every merge. What each replica moved during those τ
+    steps is not dropped: it stays this rank's own *carry*, and the next Δ is measured from
+    the global copy plus the carry, so it goes out with the next sync. With τ =
+    ``sync_every`` (``True``) the merge comes at the next sync, just after Δ_k+1 is taken, and
+    the model takes the global copy plus that outer step again (a *lead*, the same on every
+    rank, standing in for the round now in flight; it never enters the global copy). A
+    smaller τ merges sooner: less staleness, and the link has τ steps of compute to carry
+    the round. :meth:`flush` merges the round in flight at once, keeping this replica's
+    moves since its send and its carry in the model (the replicas then differ until the
+    next merge, as between syncs); :meth:`close` and leaving the ``with`` block flush;
+    :meth:`state_dict` waits for the round and saves its mean. A failed background exchange
+    raises, at the next merge, sync, :meth:`flush`, :meth:`close` or :meth:`state_dict`,
+    the error the exchange raised (an :class:`~gradshare.ExchangeError` for a lost peer),
+    with every encoder put back as it was before that round and the round's moves kept for
+    the next sync. ``bytes_sent``, ``dense_bytes`` and :meth:`metrics` count a round when
+    its exchange completes; ``syncs`` counts the rounds started.
 
     Args:
         model: this rank's replica (not wrapped in DistributedDataParallel). Rank 0's
@@ -161,8 +164,9 @@ class LocalSteps:
             optimizer (default: ``SGD(params, lr=default_outer_lr(inner_optimizer))``, no
             momentum).
         offload: keep the global copy, residuals and outer state on the CPU.
-        overlap: exchange each sync in the background during the next ``sync_every``
-            inner steps and merge it one round later (see above); off by default.
+        overlap: exchange each sync in the background during the next τ inner steps and
+            merge it after them (see above): an int τ in [1, ``sync_every``], ``True`` for
+            ``sync_every``; off (``False`` or 0) by default.
         grad_scaler: the run's ``torch.amp.GradScaler``, to count iterations by its
             ``update()`` (see above).
         group: the process group (default: the world).
@@ -191,7 +195,7 @@ class LocalSteps:
         decay: float = DEFAULT_DECAY,
         outer_optimizer: OuterFactory | None = None,
         offload: bool = False,
-        overlap: bool = False,
+        overlap: bool | int = False,
         grad_scaler: Any = None,
         group: Any = None,
         options: EncodingOptions | None = None,
@@ -217,7 +221,8 @@ class LocalSteps:
         self.decay = float(decay)
         self.magnitude = self.options.magnitude
         self.offload = bool(offload)
-        self.overlap = overlap
+        self.overlap = int(overlap) * (sync_every if overlap is True else 1)
+        """τ: the inner steps each round's exchange runs in the background (0: no overlap)."""
         self.timeout = timedelta(seconds=self.options.seconds())
         self.group = group
         self.model = model
@@ -268,11 +273,12 @@ class LocalSteps:
         """Per parameter: its residual and threshold state (none for dense syncs)."""
         self._delta = torch.zeros(self.numel, dtype=torch.float32, device=self.home)
         self._mean = torch.zeros_like(self._delta)
-        self._round = InFlightRound(self.device) if overlap else None
+        self._round = InFlightRound(self.device) if self.overlap else None
         """With ``overlap``: the round whose exchange runs in the background."""
-        self._lead = torch.zeros_like(self._delta) if overlap else None
-        """With ``overlap``: the last merge's outer step, by which the round in flight
-        started ahead of the global copy (zero when none was merged)."""
+        self._base = torch.zeros_like(self._delta) if self.overlap else None
+        """With ``overlap``, flat float32: while a round is in flight (or its mean waits for
+        the merge), this replica's parameters at its send; otherwise the next round's start
+        less the global copy (the carry, plus the lead with τ = ``sync_every``)."""
         self._scaler = grad_scaler
         self._handle: Any = None
         if grad_scaler is None:
@@ -327,6 +333,8 @@ class LocalSteps:
 
     def _tick(self) -> None:
         self.steps += 1
+        if 0 < self.overlap < self.sync_every and self.steps % self.sync_every == self.overlap:
+            self._merge_due()
         if self.steps % self.sync_every == 0:
             self._sync()
 
@@ -399,9 +407,10 @@ class LocalSteps:
         self.syncs += 1
 
     def _overlapped_sync(self) -> None:
-        """``overlap``, after the header: encode this round, merge the last one (its mean waits
-        in ``_mean``), and launch this round's exchange in the background."""
-        assert self._round is not None
+        """``overlap``, after the header: encode this round, merge the last one if its mean
+        waits (τ = ``sync_every``), note where this round was sent from and launch its
+        exchange in the background."""
+        assert self._round is not None and self._base is not None
         group, number = self._private.get(), self.syncs
         before: list[dict[str, Any]] = []
         if self.dense:
@@ -413,35 +422,54 @@ class LocalSteps:
                     before, lambda: self._encoded_mean(None, failure, group, number)
                 )
             job = lambda: self._encoded_mean(mine, None, group, number)
-        self._merge(self._round.take())  # the next round's start, alike everywhere
+        if self._round.take():  # τ = sync_every: the last round, merged with a lead
+            self._merge_with_lead()
+        for p, b in zip(self.params, self._pieces(self._base), strict=True):
+            b.copy_(p.detach().reshape(-1))  # where this round is sent from
 
         def undo() -> None:  # the exchange failed: nothing of this round stays
             self._put_back(before)
+            self._unsend()
             self.syncs -= 1
 
         self._round.launch(job, undo, [e.last_stats for e in self.encoders])
         self.syncs += 1
 
-    def _merge(self, received: bool) -> None:
-        """``overlap``: step the global copy with the round received (if any) and start the
-        next round from it, one outer step ahead (the lead: that step again, standing in for
-        the round still in flight); without a round received, from the global copy itself."""
-        assert self._lead is not None
-        if not received:
-            self._lead.zero_()
-            self._take_global()
-            return
-        for g, e in zip(self.global_params, self._pieces(self._lead), strict=True):
-            e.copy_(g.reshape(-1))
-        self._outer_step()
-        for g, e, p in zip(self.global_params, self._pieces(self._lead), self.params,
+    def _unsend(self) -> None:
+        """A round's exchange failed: its Δ (still in ``_delta``) is taken again at the next
+        sync, as without overlap. ``_base`` goes back from the send point to the start the
+        round was measured from (less the global copy)."""
+        assert self._base is not None
+        for g, b, d in zip(self.global_params, self._pieces(self._base), self._pieces(),
                            strict=True):  # fmt: skip
-            torch.sub(g.reshape(-1), e, out=e)  # the lead: this merge's outer step
-            p.detach().copy_(self._start(g, e))
+            b.add_(d).sub_(g.reshape(-1))
 
-    def _start(self, g: torch.Tensor, lead: torch.Tensor | None) -> torch.Tensor:
-        """Where the current round started, for global copy ``g`` and its lead."""
-        return g if lead is None else torch.add(g, lead.view_as(g)).to(g.dtype)
+    @torch.no_grad()
+    def _merge_due(self) -> None:
+        """``overlap`` τ < ``sync_every``, τ steps after a sync: wait for its round, step the
+        global copy with its mean, and the model takes the copy; what the replica moved since
+        the send becomes its carry (``_base``), which the next Δ includes."""
+        assert self._round is not None and self._base is not None
+        self._receive()
+        if not self._round.take():
+            return  # none in flight: before the first sync, or after a flush
+        for p, b in zip(self.params, self._pieces(self._base), strict=True):
+            b.sub_(p.detach().reshape(-1).to(self.home))  # the carry: sent-from - now
+        self._outer_step()
+        self._take_global()
+
+    def _merge_with_lead(self) -> None:
+        """``overlap`` τ = ``sync_every``, at a sync whose Δ is taken: step the global copy
+        with the last round's mean and start the next round from it, one outer step ahead
+        (the lead: that step again, standing in for the round now launched)."""
+        assert self._base is not None
+        for g, b in zip(self.global_params, self._pieces(self._base), strict=True):
+            b.copy_(g.reshape(-1))
+        self._outer_step()
+        for g, b, p in zip(self.global_params, self._pieces(self._base), self.params,
+                           strict=True):  # fmt: skip
+            torch.sub(g.reshape(-1), b, out=b)  # the lead: this merge's outer step
+            p.detach().copy_(torch.add(g, b.view_as(g)).to(g.dtype))
 
     def _receive(self) -> None:
         """``overlap``: wait for the round in flight and count its bytes; its mean waits in
@@ -453,17 +481,28 @@ class LocalSteps:
             self.dense_bytes += 4 * self.numel
 
     def _compute_delta(self) -> int:
-        """Δ = start - local into the float32 buffer (the start: the global copy, plus the
-        lead with overlap); the index of the first parameter whose Δ is not finite (-1 when
-        all are)."""
+        """Δ = start - local into the float32 buffer; the index of the first parameter whose Δ
+        is not finite (-1 when all are). The start is the global copy; with overlap, plus
+        ``_base`` (the carry, or the lead), or ``_base`` itself when the last round's mean
+        waits for its merge (τ = ``sync_every``: where that round was sent from)."""
         bad = -1
-        leads = self._pieces(self._lead) if self._lead is not None else [None] * len(self.params)
-        for i, (g, p, d, e) in enumerate(zip(self.global_params, self.params, self._pieces(),
-                                             leads, strict=True)):  # fmt: skip
+        base = self._pieces(self._base) if self._base is not None else [None] * len(self.params)
+        sent_from = self._round is not None and self._round.received
+        for i, (g, p, d, b) in enumerate(zip(self.global_params, self.params, self._pieces(),
+                                             base, strict=True)):  # fmt: skip
             d = d.view_as(g)
-            d.copy_(self._start(g, e))
-            d.sub_(p.detach().to(self.home))
-            if bad < 0 and not bool(torch.isfinite(d).all()):
+            local = p.detach().to(self.home)
+            if b is None and g.dtype == torch.float32:
+                torch.sub(g, local, out=d)  # one pass
+            elif b is None:
+                d.copy_(g).sub_(local)  # in float32
+            elif sent_from:
+                torch.sub(b.view_as(g), local, out=d)
+            else:
+                torch.add(g, b.view_as(g), out=d).sub_(local)
+            # a NaN or an infinity anywhere makes the sum one (a finite sum proves them all
+            # finite); an overflowing sum of finite values is told apart by the full check
+            if bad < 0 and not (math.isfinite(float(d.sum())) or bool(torch.isfinite(d).all())):
                 bad = i
         return bad
 
@@ -489,12 +528,15 @@ class LocalSteps:
             )
 
     def _dense_mean(self, group: Any) -> int:
-        """Dense DiLoCo: the exact float32 mean of every rank's Δ into ``_mean``; the bytes
-        this rank sent."""
-        buf = self._delta.to(self.device)
+        """Dense DiLoCo: the exact float32 mean of every rank's Δ into ``_mean`` (``_delta``
+        stays as it is, for a failed round's undo); the bytes this rank sent."""
+        buf = self._mean.to(self.device)
+        buf.copy_(self._delta)
         collective(dist.all_reduce, buf, group=group, timeout=self.timeout,
                    what="dense all-reduce", rank=self._rank)  # fmt: skip
-        self._mean.copy_(buf).div_(self._divisor())
+        if buf is not self._mean:
+            self._mean.copy_(buf)
+        self._mean.div_(self._divisor())
         return 4 * self.numel
 
     def _encode(self) -> tuple[torch.Tensor | None, Exception | None, list[dict[str, Any]]]:
@@ -571,32 +613,30 @@ class LocalSteps:
 
     @torch.no_grad()
     def flush(self) -> None:
-        """Merge the round in flight now (``overlap=True``; nothing to do without): wait for
-        its exchange, step the global copy with its mean and apply that to the model.
-
-        At a sync (no inner step since the last) the model takes the global copy, as at any
-        merge: the replicas are bit-identical. Between syncs each replica keeps its own moves
-        since the last sync and the merged step is added to them. Either way the next sync
-        has nothing to merge, as the first. If the exchange failed, its error is raised and
-        nothing is merged (every encoder is put back as it was before that round).
+        """Merge the round in flight now (``overlap``; nothing to do without): wait for its
+        exchange and step the global copy with its mean; the model takes the copy plus what
+        this replica moved since that round's send, and its carry, if any, is given back to
+        the model too. The next Δ is then measured from the global copy, as after the first
+        sync. Right after a merge or a sync with nothing since, the replicas are
+        bit-identical; between them each keeps its own moves, as between syncs. If the
+        exchange failed, its error is raised and nothing is merged (every encoder is put back
+        as it was before that round).
         """
         if self._round is None:
             return
+        assert self._base is not None
         self._receive()
-        if not self._round.take():
-            return
-        assert self._lead is not None
-        if self.steps % self.sync_every == 0:
-            self._lead.zero_()
+        if self._round.take():
+            for p, b in zip(self.params, self._pieces(self._base), strict=True):
+                torch.sub(p.detach().reshape(-1).to(self.home), b, out=b)  # moved since
             self._outer_step()
-            self._take_global()
-            return
-        old = [g.clone() for g in self.global_params]
-        self._outer_step()
-        for p, g, o, e in zip(self.params, self.global_params, old, self._pieces(self._lead),
-                              strict=True):  # fmt: skip
-            p.detach().add_(g.sub(o).sub_(e.view_as(g)).to(p.device, p.dtype))
-        self._lead.zero_()
+            for p, g, b in zip(self.params, self.global_params, self._pieces(self._base),
+                               strict=True):  # fmt: skip
+                p.detach().copy_(torch.add(g, b.view_as(g)).to(p.device, p.dtype))
+        else:  # no round: the carry (or lead) back into the model
+            for p, b in zip(self.params, self._pieces(self._base), strict=True):
+                p.detach().sub_(b.view_as(p).to(p.device, p.dtype))
+        self._base.zero_()
 
     def metrics(self) -> dict[str, float]:
         """``bytes_sent``, ``dense_bytes``, ``compression``, ``density`` and ``threshold``
@@ -627,8 +667,10 @@ class LocalSteps:
         counters and settings, in plain types (``torch.load(weights_only=True)`` reads it).
 
         With ``overlap``, a round in flight is waited for first (its error raised, as at a
-        sync) and ``pending`` holds its mean, merged at the next sync of the resumed run; it is
-        None when no round waits (and always without overlap)."""
+        sync) and ``pending`` holds its mean, merged when due in the resumed run; it is None
+        when no round waits (and always without overlap). ``base`` (None without overlap) is
+        this replica's parameters at that round's send when one waits, else the next round's
+        start less the global copy (its carry)."""
         pending = None
         if self._round is not None:
             self._receive()
@@ -645,7 +687,7 @@ class LocalSteps:
             "encoders": [e.state_dict() for e in self.encoders],
             "outer": self.outer.state_dict(),
             "pending": pending,
-            "lead": None if self._lead is None else self._lead.clone(),
+            "base": None if self._base is None else self._base.clone(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -657,9 +699,12 @@ class LocalSteps:
         if legacy:
             state = {**state, "format": 2, "pending": None}
         if state.get("format") == 2:  # from before the lead: its rounds started at the copy
-            state = {**state, "format": FORMAT_VERSION, "lead": None}
+            state = {**state, "format": 3, "lead": None}
+        old_overlap = state.get("format") == 3  # overlap a bool, and the lead
+        if old_overlap:
+            state = _from_format_3(state)
         missing = {"format", "settings", "steps", "syncs", "bytes_sent", "dense_bytes",
-                   "global", "encoders", "outer", "pending", "lead"} - set(state)  # fmt: skip
+                   "global", "encoders", "outer", "pending", "base"} - set(state)  # fmt: skip
         if missing:
             raise ValueError(f"LocalSteps state is missing {sorted(missing)}: is it one?")
         if state["format"] != FORMAT_VERSION:
@@ -670,6 +715,8 @@ class LocalSteps:
         here, saved = self._settings(), check_mapping(state["settings"], "`settings`")
         if legacy:
             saved = {"overlap": False, **saved}
+        if legacy or old_overlap:  # then a bool: True was a merge at the next sync
+            saved = {**saved, "overlap": self.sync_every if saved.get("overlap") is True else 0}
         counters = {k: check_counter(state, k, "LocalSteps state")
                     for k in ("steps", "syncs", "bytes_sent", "dense_bytes")}  # fmt: skip
         differ = [k for k in here if saved.get(k) != here[k]]
@@ -710,9 +757,12 @@ class LocalSteps:
             if probe.residual is not None:
                 probe.residual = probe.residual.to(self.home)
             probes.append(probe)
-        pending, lead = state["pending"], state["lead"]
+        pending, base = state["pending"], state["base"]
         self._check_vector(pending, "`pending` (the mean of a round waiting for its merge)")
-        self._check_vector(lead, "`lead` (the outer step its round in flight started ahead by)")
+        self._check_vector(base, "`base` (where the round in flight was sent from, or the carry)")
+        if old_overlap and pending is not None:  # its round was sent from the start then
+            start = torch.cat([t.reshape(-1).to(self._mean) for t in glob])
+            base = start if base is None else base.to(start) + start
         copy.deepcopy(self.outer).load_state_dict(state["outer"])  # refuses another's state
         # everything checked: change
         if self._round is not None:
@@ -720,10 +770,10 @@ class LocalSteps:
             self._round.received = pending is not None
             if pending is not None:
                 self._mean.copy_(pending)
-        if self._lead is not None:
-            self._lead.zero_()
-            if lead is not None:
-                self._lead.copy_(lead)
+        if self._base is not None:
+            self._base.zero_()
+            if base is not None:
+                self._base.copy_(base)
         self.outer.load_state_dict(state["outer"])
         for g, t in zip(self.global_params, glob, strict=True):
             g.copy_(t)
@@ -786,8 +836,15 @@ class LocalSteps:
         mode = "dense" if self.dense else self._threshold_text()
         return (
             f"LocalSteps(sync_every={self.sync_every}, {mode}, decay={self.decay}, "
-            f"outer={self._outer_text}{', overlap=True' if self.overlap else ''})"
+            f"outer={self._outer_text}{f', overlap={self.overlap}' if self.overlap else ''})"
         )
+
+
+def _from_format_3(state: dict[str, Any]) -> dict[str, Any]:
+    """A state of format 3 (``lead`` where 4 has ``base``) in format 4's layout, its ``base``
+    still relative to the global copy (the loader adds the copy when a round waits)."""
+    out = {k: v for k, v in state.items() if k != "lead"}
+    return {**out, "format": FORMAT_VERSION, "base": state["lead"]}
 
 
 def _values(table: list[list[int]], field: str, ranks: list[int]) -> str:
@@ -853,10 +910,13 @@ def _check_arguments(
             f"Expect `threshold` to be a ThresholdAlgorithm or None, got "
             f"{type(threshold).__name__}: wrap a number as FixedThreshold(t)."
         )
-    if not isinstance(overlap, bool):
-        raise TypeError(
-            f"Expect `overlap` to be a bool, got {overlap!r}: pass overlap=True to exchange "
-            "each sync in the background and merge it one round later."
+    if not isinstance(overlap, int) or (
+        not isinstance(overlap, bool) and not 0 <= overlap <= sync_every
+    ):
+        raise (ValueError if isinstance(overlap, int) else TypeError)(
+            f"Expect `overlap` to be a bool or an int in [0, sync_every={sync_every}] (the inner "
+            f"steps each sync's exchange runs in the background), got {overlap!r}: pass e.g. "
+            "overlap=2, or overlap=True to merge at the next sync."
         )
     if not any(True for _ in model.parameters()):
         raise ValueError("Expect a model with parameters: there is nothing to sync.")
