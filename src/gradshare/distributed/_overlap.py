@@ -1,9 +1,10 @@
 """The round in flight of ``LocalSteps(overlap=τ)``: its exchange in a background thread.
 
 With overlap, round k's exchange runs while every rank takes the next τ inner steps, and its
-mean is merged after them (:class:`~gradshare.LocalSteps` tells the whole story). :class:`InFlightRound` holds that one round: the background thread, the round's
-future, what undoes the round should its exchange fail, and whether its mean waits for the
-merge. It knows nothing of the exchange itself: LocalSteps hands it a job.
+mean is merged after them (:class:`~gradshare.LocalSteps` tells the whole story).
+:class:`InFlightRound` holds that one round: the background thread, the round's future, what
+undoes the round should its exchange fail, and whether its mean waits for the merge. It knows
+nothing of the exchange itself: LocalSteps hands it a job.
 """
 
 from __future__ import annotations
