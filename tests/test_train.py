@@ -242,7 +242,14 @@ def test_ctrl_c_to_the_parent_stops_every_rank(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "gradshare.app.cli", "train", "--mode", "distributed",
            "--workers", "2", "--epochs", "200", "--local-steps", "0", "--out", str(tmp_path),
            *QUIET]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # A background job of a non-interactive shell (`make test &`) starts with SIGINT ignored,
+    # and so would the command, whose Python then installs no KeyboardInterrupt: give it
+    # SIGINT as a terminal does (a handler here is reset to the default in the child).
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     try:
         deadline = time.monotonic() + 120
         ranks: list[int] = []
