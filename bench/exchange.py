@@ -22,7 +22,8 @@ with the settings a user gets by default:
 * ``shared``: ``gradshare.SharedOptimizer(adamw)`` with its defaults (no DDP);
 * ``local``, ``local-overlap``, ``local-overlap{τ}``: ``gradshare.LocalSteps(model, adamw,
   sync_every=10)`` with its defaults, with ``overlap=True`` (merged at the next sync) and
-  with ``overlap=τ`` (merged τ steps after its sync; τ 1, 2 or 5) (no DDP); timed over
+  with ``overlap=τ`` (merged τ steps after its sync; τ 1, 2 or 5), ``local-f5-overlap{τ}``
+  with ``fragments=5`` too (each fifth of the model synced in turn) (no DDP); timed over
   whole rounds of 10 steps, each ending with its sync, after one untimed round;
   ``ms/step`` is their mean, not the median;
 
@@ -83,7 +84,7 @@ from _models import gpt, lm_loss, powersgd_bytes, text, text_batch, vocab_size
 RESULTS = Path(__file__).resolve().parent / "results"
 METHODS = ["compute", "dense", "fp16", "powersgd-1", "powersgd-4", "hook", "hook-1%", "shared",
            "local", "local-overlap", "local-overlap1", "local-overlap2",
-           "local-overlap5"]  # fmt: skip
+           "local-overlap5", "local-f5-overlap2", "local-f5-overlap1"]  # fmt: skip
 LOCAL_H = 10
 """``sync_every`` of the ``local`` methods."""
 MODELS = ["gpt", "square"]
@@ -167,9 +168,11 @@ def _method(method: str, rank: int, world: int, model: str, numel: int, steps: i
         opt = gradshare.SharedOptimizer(opt)
     local = None
     if method.startswith("local"):
-        tau = method.removeprefix("local").removeprefix("-overlap")
-        overlap = (int(tau) if tau else True) if method.startswith("local-overlap") else False
-        local = gradshare.LocalSteps(net, opt, sync_every=LOCAL_H, overlap=overlap)
+        fragments = 5 if method.startswith("local-f5") else 1
+        tau = method.removeprefix("local").removeprefix("-f5").removeprefix("-overlap")
+        overlap = (int(tau) if tau else True) if "-overlap" in method else False
+        local = gradshare.LocalSteps(net, opt, sync_every=LOCAL_H, overlap=overlap,
+                                     fragments=fragments)  # fmt: skip
     sent0 = [0]
 
     def step(i: int) -> None:

@@ -44,7 +44,8 @@ Methods:
   rank a replica group of one (its own TCPStore, ``Manager(ProcessGroupGloo(),
   use_async_quorum=False, init_sync=False)``), outer Nesterov SGD 0.7 / 0.9, dense float32.
 * ``-overlap`` (after any ``local`` method): ``overlap=True``, merged at the next sync;
-  ``-overlap{τ}``: ``overlap=τ``, merged τ inner steps after its sync.
+  ``-overlap{τ}``: ``overlap=τ``, merged τ inner steps after its sync; ``-f{p}`` before it
+  sets ``fragments=p`` (Streaming DiLoCo's fragments, synced in turn).
 * ``shared-ddp``: ``SharedOptimizer(opt, threshold=QuantileThreshold(0.01), ddp=net)`` (as
   ``bench/workloads.py``'s ``shared-ddp-1%``): the best every-step gradshare path.
 
@@ -93,7 +94,7 @@ DILOCO_LR, DILOCO_MOMENTUM = 0.7, 0.9
 METHOD = re.compile(
     r"^(?P<kind>local|diloco-dense|postlocal|torchft)(-H(?P<h>\d+))?(-d(?P<pct>[\d.]+))?"
     r"(-lr(?P<lr>[\d.]+))?(-b(?P<beta>[\d.]+))?(-w(?P<warmup>\d+))?(?P<mean>-mean)?"
-    r"(?P<nesterov>-nesterov)?"
+    r"(?P<nesterov>-nesterov)?(-f(?P<frags>\d+))?"
     r"(?P<overlap>-overlap(?P<tau>\d+)?)?$"
 )
 _TORCHFT_RUNS = itertools.count()
@@ -162,6 +163,8 @@ def build(name: str, model: nn.Module, opt: torch.optim.Optimizer, steps: int) -
             kwargs["magnitude"] = "mean"
         if m["overlap"]:
             kwargs["overlap"] = int(m["tau"]) if m["tau"] else True
+        if m["frags"]:
+            kwargs["fragments"] = int(m["frags"])
     sync = gradshare.LocalSteps(model, opt, sync_every=h, **kwargs)
     outer = sync.outer.param_groups[0]
     settings = {"sync_every": h, "density": sync.density, "decay": sync.decay,

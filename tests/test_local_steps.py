@@ -301,6 +301,84 @@ class TestOverlap:
             assert run["syncs"] == 4 and sent[merges[0] - 2] == 0 < sent[merges[0] - 1] < sent[-1]
 
 
+def _rank_fragments(rank: int, world: int) -> dict:
+    """2 fragments at sync_every 2, dense with outer SGD lr 1 (exact arithmetic), without
+    overlap and with τ 1: per step, the model after the step's hooks."""
+    batches = toy_batches(9 * world, seed=4)[rank::world]
+    out: dict = {}
+    for tau in (0, 1):
+        model = toy_model(seed=rank)
+        inner = torch.optim.SGD(model.parameters(), lr=0.1)
+        locals_: list = []
+        inner.register_step_post_hook(_recorder(model, locals_))  # runs first
+        sync = LocalSteps(model, inner, sync_every=2, dense=True, overlap=tau, fragments=2,
+                          outer_optimizer=lambda p: torch.optim.SGD(p, lr=1.0))  # fmt: skip
+        start, after = flat(model), []
+        for batch in batches:
+            _train(model, inner, [batch])
+            after.append(flat(model))
+        sync.close()
+        out[tau] = {"start": start, "locals": locals_, "after": after, "closed": flat(model),
+                    "parts": [(f.start, f.stop, f.offset) for f in sync._parts],
+                    "syncs": sync.syncs, "sent": sync.bytes_sent, "numel": sync.numel}  # fmt: skip
+    return out
+
+
+@pytest.mark.parametrize("tau", [0, 1])
+def test_fragments_are_the_streaming_recurrence(tau: int) -> None:
+    """fragments=2: the first fragment syncs at even steps, the second at odd ones, each
+    alone (τ 1: merged one step later, just before the other's sync). Replayed here in
+    float32 in the same order, every step's model must match bit for bit; a fragment is alike
+    on both ranks right after its sync (or merge)."""
+    runs = [r.get()[tau] for r in pooled(_rank_fragments, 2)]
+    parts = runs[0]["parts"]
+    assert len(parts) == 2 and parts[0][0] == 0 < parts[0][1] == parts[1][0]
+    assert parts[1][1] == runs[0]["numel"] and [p[2] for p in parts] == [0, 1]
+    g, pending, flight = runs[0]["start"].clone(), None, None
+    base = [torch.zeros_like(g) for _ in runs]
+    for step in range(1, 10):
+        model = [run["locals"][step - 1].clone() for run in runs]
+        done = None
+        if flight is not None and (step - tau) % 2 == parts[flight][2]:  # the merge
+            a, b = parts[flight][:2]
+            for r in range(2):
+                base[r][a:b] = base[r][a:b] - model[r][a:b]
+            g[a:b] = g[a:b] - pending
+            for r in range(2):
+                model[r][a:b] = g[a:b]
+            done, flight = (a, b), None
+        f = step % 2  # the fragment whose sync this step ends with
+        a, b = parts[f][:2]
+        deltas = [(g[a:b] + base[r][a:b]) - model[r][a:b] if tau else g[a:b] - model[r][a:b]
+                  for r in range(2)]  # fmt: skip
+        mean = (deltas[0] + deltas[1]) / 2
+        if tau:
+            for r in range(2):
+                base[r][a:b] = model[r][a:b]
+            pending, flight = mean, f
+        else:
+            g[a:b] = g[a:b] - mean
+            for r in range(2):
+                model[r][a:b] = g[a:b]
+            done = (a, b)
+        for r, run in enumerate(runs):
+            assert torch.equal(run["after"][step - 1], model[r]), (r, step)
+        assert (done is None) == (tau == 1 and step == 1)  # from then on each step has one
+        if done is not None:
+            assert torch.equal(runs[0]["after"][step - 1][done[0] : done[1]],
+                               runs[1]["after"][step - 1][done[0] : done[1]])  # fmt: skip
+    for r, run in enumerate(runs):  # close(): the round in flight, then the carry back
+        closed = model[r].clone()
+        if flight is not None:
+            a, b = parts[flight][:2]
+            moved = closed[a:b] - base[r][a:b]
+            closed[a:b] = (g[a:b] - pending) + moved
+            base[r][a:b] = 0
+        assert torch.equal(run["closed"], closed - base[r] if tau else closed)
+    sizes = [b - a for a, b, _ in parts]  # 4 syncs of the first, 5 of the second, all counted
+    assert runs[0]["syncs"] == 9 and runs[0]["sent"] == 4 * (4 * sizes[0] + 5 * sizes[1])
+
+
 def _rank_refusals(rank: int, world: int) -> dict:
     """Settings and round mismatches, a NaN on one rank, a skipped GradScaler step."""
     out: dict = {}
@@ -388,7 +466,10 @@ def _rank_two(rank: int, world: int, tmp: str) -> dict:
     return {
         **_rank_refusals(rank, world),
         "scaler": _rank_grad_scaler(rank, world),
-        **{f"whole {tau}": _rank_resume(rank, world, tmp, "whole", tau) for tau in OVERLAPS},
+        **{
+            f"whole {tau} {parts}": _rank_resume(rank, world, tmp, "whole", tau, parts)
+            for tau, parts in RESUMES
+        },
     }
 
 
@@ -474,19 +555,24 @@ def test_lost_peer_raises_within_the_timeout(kind: str, overlap: bool) -> None:
     assert lost.error == ("ZeroDivisionError" if kind == "raise" else "Killed")
 
 
-OVERLAPS = (0, True, 3, 1)
-"""The resume is checked without overlap, and with τ 4 (``True``), 3 and 1 at sync_every 4."""
+RESUMES = ((0, 1), (True, 1), (3, 1), (1, 1), (1, 2))
+"""(overlap, fragments): the resume is checked without overlap, with τ 4 (``True``), 3 and 1
+at sync_every 4, and with τ 1 over 2 fragments."""
 
 
-def _rank_resume(rank: int, world: int, tmp: str, part: str, overlap: int = 0) -> torch.Tensor:
+def _rank_resume(
+    rank: int, world: int, tmp: str, part: str, overlap: int = 0, fragments: int = 1
+) -> torch.Tensor:
     """``whole``: 20 steps, saving at 10. ``resumed``: new processes load step 10, do 10.
     With overlap τ 4 or 3, round 2 (of the sync at step 8) is in flight at step 10; with τ 1
-    it was merged at step 9, and the carry of step 9 waits."""
+    it was merged at step 9, and the carry of step 9 waits. With 2 fragments (syncs at steps
+    2, 4, 6, ...: the second fragment at 2, 6, 10, ...), the second's round is in flight."""
     batches = toy_batches(20 * world, seed=2)[rank::world]
     model = toy_model(seed=5)
     inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    sync = LocalSteps(model, inner, sync_every=4, decay=0.9, timeout=30, overlap=overlap)
-    path = Path(tmp) / f"rank{rank}-overlap{overlap}.pt"
+    sync = LocalSteps(model, inner, sync_every=4, decay=0.9, timeout=30, overlap=overlap,
+                      fragments=fragments)  # fmt: skip
+    path = Path(tmp) / f"rank{rank}-overlap{overlap}-{fragments}.pt"
     if part == "whole":
         _train(model, inner, batches[:10])
         torch.save({"model": model.state_dict(), "inner": inner.state_dict(),
@@ -507,39 +593,51 @@ def _rank_resume(rank: int, world: int, tmp: str, part: str, overlap: int = 0) -
         wrong = {**saved, "base": torch.zeros(3)}
         with pytest.raises(ValueError, match=r"`base` .* must be None"):
             sync.load_state_dict(wrong)
-        assert sync.syncs == 0 and (saved["pending"] is not None) == (tau in (3, 4))
+        in_flight = tau in (3, 4) or fragments == 2
+        assert sync.syncs == 0 and (saved["pending"] is not None) == in_flight
+        assert saved["fragment"] == (None if not in_flight else fragments - 1)
+        if in_flight:
+            wrong = {**saved, "fragment": 2}
+            with pytest.raises(ValueError, match=r"`fragment` must be the index"):
+                sync.load_state_dict(wrong)
         # with overlap: where the round in flight was sent from, or (τ 1) the carry
         assert (saved["base"] is not None and bool(saved["base"].abs().sum() > 0)) == bool(tau)
         if not overlap:  # a state of format 1 (before overlap) loads as one saved without it
-            settings = {k: v for k, v in saved["settings"].items() if k != "overlap"}
-            old = {k: v for k, v in saved.items() if k not in ("pending", "base")}
+            settings = {k: v for k, v in saved["settings"].items()
+                        if k not in ("overlap", "fragments")}  # fmt: skip
+            old = {k: v for k, v in saved.items() if k not in ("pending", "base", "fragment")}
             sync.load_state_dict({**old, "format": 1, "settings": settings})
         if overlap is True:  # format 3: `lead`, relative to the copy, and overlap a bool
             glob = torch.cat([g.reshape(-1) for g in saved["global"]])
-            old = {k: v for k, v in saved.items() if k != "base"}
+            old = {k: v for k, v in saved.items() if k not in ("base", "fragment")}
+            settings = {k: v for k, v in saved["settings"].items() if k != "fragments"}
             sync.load_state_dict({**old, "format": 3, "lead": saved["base"] - glob,
-                                  "settings": {**saved["settings"], "overlap": True}})  # fmt: skip
+                                  "settings": {**settings, "overlap": True}})  # fmt: skip
             assert sync._base is not None
             torch.testing.assert_close(sync._base, saved["base"])
         model.load_state_dict(state["model"])
         inner.load_state_dict(state["inner"])
         sync.load_state_dict(saved)
-        assert sync.steps == 10 and sync.syncs == 2
+        assert sync.steps == 10 and sync.syncs == 2 * fragments + (fragments - 1)
     _train(model, inner, batches[10:])
-    assert sync.syncs == 5
+    assert sync.syncs == 5 * fragments
     sync.close()  # with overlap: merges round 4
     return flat(model)
 
 
-@pytest.mark.parametrize("overlap", OVERLAPS)
-def test_resumed_run_is_bit_identical(two: tuple[list[dict], Path], overlap: int) -> None:
+@pytest.mark.parametrize(("overlap", "fragments"), RESUMES)
+def test_resumed_run_is_bit_identical(
+    two: tuple[list[dict], Path], overlap: int, fragments: int
+) -> None:
     """20 steps straight vs 10, save, new processes, load, 10: the same bits (with overlap,
-    saved with a round in flight)."""
-    whole = [r[f"whole {overlap}"] for r in two[0]]
-    resumed = [r.get() for r in pooled(_rank_resume, 2, str(two[1]), "resumed", overlap)]
+    saved with a round in flight, or a carry)."""
+    whole = [r[f"whole {overlap} {fragments}"] for r in two[0]]
+    resumed = [r.get() for r in pooled(_rank_resume, 2, str(two[1]), "resumed", overlap,
+                                       fragments)]  # fmt: skip
     for a, b in zip(whole, resumed, strict=True):
         assert torch.equal(a, b)
-    assert torch.equal(whole[0], whole[1])  # step 20 ends with a sync
+    # step 20 ends with a sync of the whole model (of the first fragment: the second moved)
+    assert torch.equal(whole[0], whole[1]) == (fragments == 1)
 
 
 # ---------------------------------------------------------------------- in this process
@@ -578,6 +676,13 @@ def test_bad_arguments_are_refused_naming_the_fix() -> None:
         ({"decay": -0.1}, ValueError, r"`decay` in \[0, 1\]"),
         ({"overlap": "yes"}, TypeError, "`overlap` to be a bool or an int in"),
         ({"overlap": 3}, ValueError, r"`overlap` to be a bool or an int in \[0, sync_every=2\]"),
+        ({"fragments": 0}, ValueError, "`fragments` to be an int from 1 to 2"),
+        ({"fragments": 3}, ValueError, "`fragments` to be an int from 1 to 2"),
+        (
+            {"sync_every": 4, "fragments": 2, "overlap": 3},
+            ValueError,
+            "`overlap` of at most 2 steps with fragments=2",
+        ),
     ]
     for kwargs, error, match in cases:
         args = {"sync_every": 2, **kwargs}

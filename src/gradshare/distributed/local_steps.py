@@ -10,10 +10,13 @@ loop is unchanged: the sync runs in a step post-hook of the inner optimizer.
 
 from __future__ import annotations
 
+import bisect
 import copy
+import itertools
 import logging
 import math
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -71,7 +74,8 @@ MNIST CNN with momentum SGD, H=10, 4%, 1.4 stayed 0.20 points from dense (3 seed
 ranks) where 2.8 lost 1.7."""
 FORMAT_VERSION = 4
 """The version of :meth:`LocalSteps.state_dict`'s layout (2 added ``pending`` and the
-``overlap`` setting, 3 ``lead``, 4 ``base`` in its place and ``overlap`` in steps; states of
+``overlap`` setting, 3 ``lead``, 4 ``base`` in its place, ``overlap`` in steps and the
+``fragments`` setting, with the ``fragment`` of a pending round; states of
 versions 1 to 3 still load: 1 as one saved without overlap, 2 as one whose round in flight
 started from the global copy, 3 as one of ``overlap=True``)."""
 
@@ -81,6 +85,42 @@ OuterFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
 # compared once, at construction, by gradshare.distributed.agreement.)
 _FIELDS = ("round", "status", "bad_parameter")
 _OK, _NONFINITE, _FAILED = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class _Fragment:
+    """A run of parameters synced together (Streaming DiLoCo's fragment)."""
+
+    index: int
+    first: int
+    """Its parameters: ``params[first:last]``."""
+    last: int
+    start: int
+    """Its elements in the flat buffers: ``[start, stop)``."""
+    stop: int
+    offset: int
+    """Its syncs come at the steps ≡ ``offset`` (mod ``sync_every``); 0 for the first."""
+
+    @property
+    def numel(self) -> int:
+        return self.stop - self.start
+
+
+def _partition(sizes: list[int], parts: int, sync_every: int) -> list[_Fragment]:
+    """``parts`` runs of consecutive parameters with about equal elements each, their syncs
+    spread evenly over the ``sync_every`` steps."""
+    cum = list(itertools.accumulate(sizes))
+    cuts = [0]
+    for k in range(1, parts):
+        i = bisect.bisect_left(cum, k * cum[-1] / parts) + 1
+        cuts.append(min(max(i, cuts[-1] + 1), len(sizes) - (parts - k)))
+    cuts.append(len(sizes))
+    starts = [0, *cum]
+    return [
+        _Fragment(k, cuts[k], cuts[k + 1], starts[cuts[k]], starts[cuts[k + 1]],
+                  k * sync_every // parts)
+        for k in range(parts)
+    ]  # fmt: skip
 
 
 def default_outer_lr(inner: torch.optim.Optimizer) -> float:
@@ -167,6 +207,11 @@ class LocalSteps:
         overlap: exchange each sync in the background during the next τ inner steps and
             merge it after them (see above): an int τ in [1, ``sync_every``], ``True`` for
             ``sync_every``; off (``False`` or 0) by default.
+        fragments: sync the model in this many fragments, runs of consecutive parameters
+            of about equal size, each in its turn (Streaming DiLoCo): fragment f syncs at
+            the steps ≡ f·``sync_every``/fragments (mod ``sync_every``), alone, so each
+            exchange carries 1/fragments of the bytes; with ``overlap``, τ is at most the
+            steps between two fragments' syncs. 1 (the whole model at once) by default.
         grad_scaler: the run's ``torch.amp.GradScaler``, to count iterations by its
             ``update()`` (see above).
         group: the process group (default: the world).
@@ -196,6 +241,7 @@ class LocalSteps:
         outer_optimizer: OuterFactory | None = None,
         offload: bool = False,
         overlap: bool | int = False,
+        fragments: int = 1,
         grad_scaler: Any = None,
         group: Any = None,
         options: EncodingOptions | None = None,
@@ -203,7 +249,8 @@ class LocalSteps:
     ) -> None:
         self.options = encoding_options(options, encoding, "LocalSteps")
         dense, threshold = self.options.dense, self.options.threshold
-        _check_arguments(model, inner_optimizer, sync_every, density, decay, threshold, overlap)
+        _check_arguments(model, inner_optimizer, sync_every, density, decay, threshold, overlap,
+                         fragments)  # fmt: skip
         if grad_scaler is not None and not callable(getattr(grad_scaler, "update", None)):
             raise TypeError(
                 f"Expect `grad_scaler` to be a torch.amp.GradScaler, got "
@@ -230,6 +277,9 @@ class LocalSteps:
         self.names = [name for name, _ in model.named_parameters()]
         self.params = [p for _, p in model.named_parameters()]
         self.numel = sum(p.numel() for p in self.params)
+        self.fragments = fragments
+        self._parts = _partition([p.numel() for p in self.params], fragments, sync_every)
+        """The fragments, each synced in its turn (one, every parameter, by default)."""
         self.device = self.params[0].device
         """Where the collectives run (the model's device)."""
         self.home = torch.device("cpu") if self.offload else self.device
@@ -275,6 +325,8 @@ class LocalSteps:
         self._mean = torch.zeros_like(self._delta)
         self._round = InFlightRound(self.device) if self.overlap else None
         """With ``overlap``: the round whose exchange runs in the background."""
+        self._flight: int | None = None
+        """With ``overlap``: the fragment whose round is in flight or waits for its merge."""
         self._base = torch.zeros_like(self._delta) if self.overlap else None
         """With ``overlap``, flat float32: while a round is in flight (or its mean waits for
         the merge), this replica's parameters at its send; otherwise the next round's start
@@ -333,10 +385,17 @@ class LocalSteps:
 
     def _tick(self) -> None:
         self.steps += 1
-        if 0 < self.overlap < self.sync_every and self.steps % self.sync_every == self.overlap:
-            self._merge_due()
-        if self.steps % self.sync_every == 0:
-            self._sync()
+        flight, h = self._flight, self.sync_every
+        if flight is not None and not self._lead_mode():
+            if (self.steps - self.overlap) % h == self._parts[flight].offset:
+                self._merge_due()
+        for part in self._parts:
+            if self.steps % h == part.offset:
+                self._sync(part)
+
+    def _lead_mode(self) -> bool:
+        """τ = ``sync_every`` (one fragment): each merge comes at the next sync, with a lead."""
+        return self.overlap == self.sync_every
 
     # ------------------------------------------------------------------ the sync
 
@@ -348,6 +407,7 @@ class LocalSteps:
             "decay": self.decay,
             "dense": self.dense,
             "overlap": self.overlap,
+            "fragments": self.fragments,
             "threshold": self._threshold_text(),
             "outer_optimizer": self._outer_text,
             "world_size": self._world,
@@ -375,13 +435,14 @@ class LocalSteps:
         return table
 
     @torch.no_grad()
-    def _sync(self) -> None:
-        """One sync (steps 1-7 of the class docstring); on any error nothing is stepped."""
+    def _sync(self, part: _Fragment) -> None:
+        """One sync of fragment ``part`` (steps 1-7 of the class docstring); on any error
+        nothing is stepped."""
         if self._round is not None:
             self._receive()  # the last round's exchange ends before this thread's collectives
         status, bad, failure = _OK, -1, None
         try:
-            bad = self._compute_delta()
+            bad = self._compute_delta(part)
             status = _OK if bad < 0 else _NONFINITE
         except Exception as e:
             status, failure = _FAILED, e
@@ -390,23 +451,23 @@ class LocalSteps:
             raise failure
         self._check_status(table)
         if self._round is not None:
-            self._overlapped_sync()
+            self._overlapped_sync(part)
             return
         group = self._private.get()
         if self.dense:
-            sent = self._dense_mean(group)
+            sent = self._dense_mean(group, part)
         else:
-            mine, failure, before = self._encode()
+            mine, failure, before = self._encode(part)
             sent = self._undone_on_error(
-                before, lambda: self._encoded_mean(mine, failure, group, self.syncs)
+                before, part, lambda: self._encoded_mean(mine, failure, group, self.syncs, part)
             )
         self.bytes_sent += sent
-        self._outer_step()
-        self._take_global()
-        self.dense_bytes += 4 * self.numel
+        self._outer_step(part)
+        self._take_global(part)
+        self.dense_bytes += 4 * part.numel
         self.syncs += 1
 
-    def _overlapped_sync(self) -> None:
+    def _overlapped_sync(self, part: _Fragment) -> None:
         """``overlap``, after the header: encode this round, merge the last one if its mean
         waits (τ = ``sync_every``), note where this round was sent from and launch its
         exchange in the background."""
@@ -414,82 +475,95 @@ class LocalSteps:
         group, number = self._private.get(), self.syncs
         before: list[dict[str, Any]] = []
         if self.dense:
-            job: Callable[[], int] = lambda: self._dense_mean(group)
+            job: Callable[[], int] = lambda: self._dense_mean(group, part)
         else:
-            mine, failure, before = self._encode()
+            mine, failure, before = self._encode(part)
             if failure is not None:  # tell the others now (nothing is in flight), and stop
                 self._undone_on_error(
-                    before, lambda: self._encoded_mean(None, failure, group, number)
+                    before, part, lambda: self._encoded_mean(None, failure, group, number, part)
                 )
-            job = lambda: self._encoded_mean(mine, None, group, number)
+            job = lambda: self._encoded_mean(mine, None, group, number, part)
         if self._round.take():  # τ = sync_every: the last round, merged with a lead
             self._merge_with_lead()
-        for p, b in zip(self.params, self._pieces(self._base), strict=True):
+        for p, b in zip(self._params(part), self._pieces(self._base, part), strict=True):
             b.copy_(p.detach().reshape(-1))  # where this round is sent from
 
         def undo() -> None:  # the exchange failed: nothing of this round stays
-            self._put_back(before)
-            self._unsend()
+            self._put_back(before, part)
+            self._unsend(part)
+            self._flight = None
             self.syncs -= 1
 
-        self._round.launch(job, undo, [e.last_stats for e in self.encoders])
+        encoders = self._encoders(part)
+        self._round.launch(job, undo, [e.last_stats for e in encoders])
+        self._flight = part.index
         self.syncs += 1
 
-    def _unsend(self) -> None:
+    def _unsend(self, part: _Fragment) -> None:
         """A round's exchange failed: its Δ (still in ``_delta``) is taken again at the next
         sync, as without overlap. ``_base`` goes back from the send point to the start the
         round was measured from (less the global copy)."""
         assert self._base is not None
-        for g, b, d in zip(self.global_params, self._pieces(self._base), self._pieces(),
-                           strict=True):  # fmt: skip
+        for g, b, d in zip(self._globals(part), self._pieces(self._base, part),
+                           self._pieces(None, part), strict=True):  # fmt: skip
             b.add_(d).sub_(g.reshape(-1))
 
     @torch.no_grad()
     def _merge_due(self) -> None:
-        """``overlap`` τ < ``sync_every``, τ steps after a sync: wait for its round, step the
-        global copy with its mean, and the model takes the copy; what the replica moved since
-        the send becomes its carry (``_base``), which the next Δ includes."""
+        """``overlap`` τ < ``sync_every``, τ steps after a fragment's sync: wait for its round,
+        step the fragment's global copy with its mean, and the model takes it; what the
+        replica moved since the send becomes its carry (``_base``), which the fragment's next
+        Δ includes."""
         assert self._round is not None and self._base is not None
         self._receive()
-        if not self._round.take():
+        flight = self._flight
+        if not self._round.take() or flight is None:
             return  # none in flight: before the first sync, or after a flush
-        for p, b in zip(self.params, self._pieces(self._base), strict=True):
+        part = self._parts[flight]
+        for p, b in zip(self._params(part), self._pieces(self._base, part), strict=True):
             b.sub_(p.detach().reshape(-1).to(self.home))  # the carry: sent-from - now
-        self._outer_step()
-        self._take_global()
+        self._outer_step(part)
+        self._take_global(part)
+        self._flight = None
 
     def _merge_with_lead(self) -> None:
         """``overlap`` τ = ``sync_every``, at a sync whose Δ is taken: step the global copy
         with the last round's mean and start the next round from it, one outer step ahead
         (the lead: that step again, standing in for the round now launched)."""
         assert self._base is not None
+        whole = self._parts[0]  # the lead needs one fragment: the whole model
         for g, b in zip(self.global_params, self._pieces(self._base), strict=True):
             b.copy_(g.reshape(-1))
-        self._outer_step()
+        self._outer_step(whole)
         for g, b, p in zip(self.global_params, self._pieces(self._base), self.params,
                            strict=True):  # fmt: skip
             torch.sub(g.reshape(-1), b, out=b)  # the lead: this merge's outer step
             p.detach().copy_(torch.add(g, b.view_as(g)).to(g.dtype))
+        self._flight = None
 
     def _receive(self) -> None:
         """``overlap``: wait for the round in flight and count its bytes; its mean waits in
         ``_mean`` for the merge. A failed round is undone and its error raised."""
         assert self._round is not None
+        flight = self._flight
         sent = self._round.wait()
         if sent is not None:
             self.bytes_sent += sent
-            self.dense_bytes += 4 * self.numel
+            self.dense_bytes += 4 * (self.numel if flight is None else self._parts[flight].numel)
 
-    def _compute_delta(self) -> int:
-        """Δ = start - local into the float32 buffer; the index of the first parameter whose Δ
-        is not finite (-1 when all are). The start is the global copy; with overlap, plus
-        ``_base`` (the carry, or the lead), or ``_base`` itself when the last round's mean
-        waits for its merge (τ = ``sync_every``: where that round was sent from)."""
+    def _compute_delta(self, part: _Fragment) -> int:
+        """Δ = start - local into the float32 buffer, for ``part``'s parameters; the index of
+        the first parameter whose Δ is not finite (-1 when all are). The start is the global
+        copy; with overlap, plus ``_base`` (the carry, or the lead), or ``_base`` itself when
+        the last round's mean waits for its merge (τ = ``sync_every``: where that round was
+        sent from)."""
         bad = -1
-        base = self._pieces(self._base) if self._base is not None else [None] * len(self.params)
+        n = part.last - part.first
+        base = self._pieces(self._base, part) if self._base is not None else [None] * n
         sent_from = self._round is not None and self._round.received
-        for i, (g, p, d, b) in enumerate(zip(self.global_params, self.params, self._pieces(),
-                                             base, strict=True)):  # fmt: skip
+        for i, g, p, d, b in zip(range(part.first, part.last), self._globals(part),
+                                 self._params(part), self._pieces(None, part), base,
+                                 strict=True):  # fmt: skip
             d = d.view_as(g)
             local = p.detach().to(self.home)
             if b is None and g.dtype == torch.float32:
@@ -506,8 +580,23 @@ class LocalSteps:
                 bad = i
         return bad
 
-    def _pieces(self, flat: torch.Tensor | None = None) -> Iterator[torch.Tensor]:
-        return slices(self._delta if flat is None else flat, (p.numel() for p in self.params))
+    def _pieces(
+        self, flat: torch.Tensor | None = None, part: _Fragment | None = None
+    ) -> Iterator[torch.Tensor]:
+        """``flat`` (default: ``_delta``) cut into the parameters' pieces (of ``part`` only)."""
+        flat = self._delta if flat is None else flat
+        if part is None:
+            return slices(flat, (p.numel() for p in self.params))
+        return slices(flat[part.start : part.stop], (p.numel() for p in self._params(part)))
+
+    def _params(self, part: _Fragment) -> list[torch.nn.Parameter]:
+        return self.params[part.first : part.last]
+
+    def _globals(self, part: _Fragment) -> list[torch.Tensor]:
+        return self.global_params[part.first : part.last]
+
+    def _encoders(self, part: _Fragment) -> list[Encoder]:
+        return self.encoders[part.first : part.last]
 
     def _check_status(self, table: list[list[int]]) -> None:
         ranks = global_ranks(self.group)
@@ -527,30 +616,34 @@ class LocalSteps:
                 "then resume from a checkpoint."
             )
 
-    def _dense_mean(self, group: Any) -> int:
-        """Dense DiLoCo: the exact float32 mean of every rank's Δ into ``_mean`` (``_delta``
-        stays as it is, for a failed round's undo); the bytes this rank sent."""
-        buf = self._mean.to(self.device)
-        buf.copy_(self._delta)
+    def _dense_mean(self, group: Any, part: _Fragment) -> int:
+        """Dense DiLoCo: the exact float32 mean of every rank's Δ of ``part`` into ``_mean``
+        (``_delta`` stays as it is, for a failed round's undo); the bytes this rank sent."""
+        mean = self._mean[part.start : part.stop]
+        buf = mean.to(self.device)
+        buf.copy_(self._delta[part.start : part.stop])
         collective(dist.all_reduce, buf, group=group, timeout=self.timeout,
                    what="dense all-reduce", rank=self._rank)  # fmt: skip
-        if buf is not self._mean:
-            self._mean.copy_(buf)
-        self._mean.div_(self._divisor())
-        return 4 * self.numel
+        if buf is not mean:
+            mean.copy_(buf)
+        mean.div_(self._divisor())
+        return 4 * part.numel
 
-    def _encode(self) -> tuple[torch.Tensor | None, Exception | None, list[dict[str, Any]]]:
-        """Steps 2-3: decay and encode Δ into this rank's message (its parameters' pieces back
-        to back). Returns the message, the error if encoding failed, and every encoder's state
-        from before (a sync that fails puts it back)."""
-        sizes = [p.numel() for p in self.params]
+    def _encode(
+        self, part: _Fragment
+    ) -> tuple[torch.Tensor | None, Exception | None, list[dict[str, Any]]]:
+        """Steps 2-3 for ``part``: decay and encode Δ into this rank's message (its
+        parameters' pieces back to back). Returns the message, the error if encoding failed,
+        and every encoder's state from before (a sync that fails puts it back)."""
+        sizes = [p.numel() for p in self._params(part)]
+        encoders = self._encoders(part)
         sent: list[tuple[torch.Tensor | None, float]] = []
         mine, failure = None, None
         # what each encoder holds now: a sync that fails puts it back whole (the decay, the
         # encoded Δ and the threshold state), since the replicas keep their moves for the next
-        before = [enc.state_dict() for enc in self.encoders]
+        before = [enc.state_dict() for enc in encoders]
         try:
-            for enc, d in zip(self.encoders, self._pieces(), strict=True):
+            for enc, d in zip(encoders, self._pieces(None, part), strict=True):
                 if enc.residual is not None and self.decay != 1.0:
                     enc.residual.mul_(self.decay)  # β·residual, inside the encoder's books
                 message = enc.encode(d, self.syncs, finite=True)
@@ -564,51 +657,58 @@ class LocalSteps:
         return mine, failure, before
 
     def _encoded_mean(
-        self, mine: torch.Tensor | None, failure: Exception | None, group: Any, number: int
-    ) -> int:
-        """Steps 4-5 of round ``number``: exchange every rank's message, validate each whole and
-        decode their mean into ``_mean``; the bytes this rank sent. With ``failure`` (this rank
-        could not encode) the others raise naming it, and this rank raises it."""
-        sizes = [p.numel() for p in self.params]
+        self, mine: torch.Tensor | None, failure: Exception | None, group: Any, number: int,
+        part: _Fragment,
+    ) -> int:  # fmt: skip
+        """Steps 4-5 of round ``number`` (fragment ``part``): exchange every rank's message,
+        validate each whole and decode their mean into ``_mean``; the bytes this rank sent.
+        With ``failure`` (this rank could not encode) the others raise naming it, and this
+        rank raises it."""
+        params = self._params(part)
+        sizes = [p.numel() for p in params]
         messages = exchange_messages(
-            None if mine is None else mine.to(self.device), self.numel,
+            None if mine is None else mine.to(self.device), part.numel,
             group=group, timeout=self.timeout, device=self.device,
-            failure=failure, max_words=sum(largest_message(p.numel()) for p in self.params),
+            failure=failure, max_words=sum(largest_message(p.numel()) for p in params),
             round=number,
         )  # fmt: skip
         names = rank_names(self._world, group)
         pieces = [
-            multipart.split_message(None if m is None else m.to(self.home), sizes, name, self.names)
+            multipart.split_message(None if m is None else m.to(self.home), sizes, name,
+                                    self.names[part.first : part.last])
             for m, name in zip(messages, names, strict=True)
-        ]
-        for i, target in enumerate(self._pieces(self._mean)):
+        ]  # fmt: skip
+        for i, target in enumerate(self._pieces(self._mean, part)):
             codec.decode_sum_([p[i] for p in pieces], target, divisor=self._divisor(),
                               names=names, checked=True)  # fmt: skip
         return 0 if mine is None else 4 * mine.numel()
 
-    def _undone_on_error(self, before: list[dict[str, Any]], exchange: Callable[[], int]) -> int:
+    def _undone_on_error(
+        self, before: list[dict[str, Any]], part: _Fragment, exchange: Callable[[], int]
+    ) -> int:
         """``exchange()``; if it raises, nothing of this sync stays: every encoder as it was."""
         try:
             return exchange()
         except BaseException:
-            self._put_back(before)
+            self._put_back(before, part)
             raise
 
-    def _put_back(self, before: list[dict[str, Any]]) -> None:
-        for enc, state in zip(self.encoders, before, strict=True):
+    def _put_back(self, before: list[dict[str, Any]], part: _Fragment) -> None:
+        for enc, state in zip(self._encoders(part), before, strict=True):
             enc.load_state_dict(state)
 
-    def _outer_step(self) -> None:
-        """Step 6: the outer optimizer steps the global copy with the mean in ``_mean``."""
-        for g, m in zip(self.global_params, self._pieces(self._mean), strict=True):
+    def _outer_step(self, part: _Fragment) -> None:
+        """Step 6: the outer optimizer steps ``part``'s global copy with the mean in
+        ``_mean`` (the other parameters have no gradient: it leaves them as they are)."""
+        for g, m in zip(self._globals(part), self._pieces(self._mean, part), strict=True):
             g.grad = m.view_as(g).to(g.dtype)
         self.outer.step()
-        for g in self.global_params:
+        for g in self._globals(part):
             g.grad = None
 
-    def _take_global(self) -> None:
-        """Step 7: the model takes the global copy."""
-        for g, p in zip(self.global_params, self.params, strict=True):
+    def _take_global(self, part: _Fragment) -> None:
+        """Step 7: ``part``'s parameters take the global copy."""
+        for g, p in zip(self._globals(part), self._params(part), strict=True):
             p.detach().copy_(g)
 
     @torch.no_grad()
@@ -626,16 +726,18 @@ class LocalSteps:
             return
         assert self._base is not None
         self._receive()
-        if self._round.take():
-            for p, b in zip(self.params, self._pieces(self._base), strict=True):
+        flight, self._flight = self._flight, None
+        if self._round.take() and flight is not None:
+            part = self._parts[flight]
+            pieces = list(self._pieces(self._base, part))
+            for p, b in zip(self._params(part), pieces, strict=True):
                 torch.sub(p.detach().reshape(-1).to(self.home), b, out=b)  # moved since
-            self._outer_step()
-            for p, g, b in zip(self.params, self.global_params, self._pieces(self._base),
-                               strict=True):  # fmt: skip
+            self._outer_step(part)
+            for p, g, b in zip(self._params(part), self._globals(part), pieces, strict=True):
                 p.detach().copy_(torch.add(g, b.view_as(g)).to(p.device, p.dtype))
-        else:  # no round: the carry (or lead) back into the model
-            for p, b in zip(self.params, self._pieces(self._base), strict=True):
-                p.detach().sub_(b.view_as(p).to(p.device, p.dtype))
+                b.zero_()
+        for p, b in zip(self.params, self._pieces(self._base), strict=True):
+            p.detach().sub_(b.view_as(p).to(p.device, p.dtype))  # the carry (or lead) back
         self._base.zero_()
 
     def metrics(self) -> dict[str, float]:
@@ -655,6 +757,7 @@ class LocalSteps:
             "decay": self.decay,
             "dense": self.dense,
             "overlap": self.overlap,
+            "fragments": self.fragments,
             "threshold": self._threshold_text(),
             "world_size": self._world,
             "rank": self._rank,
@@ -668,14 +771,16 @@ class LocalSteps:
 
         With ``overlap``, a round in flight is waited for first (its error raised, as at a
         sync) and ``pending`` holds its mean, merged when due in the resumed run; it is None
-        when no round waits (and always without overlap). ``base`` (None without overlap) is
-        this replica's parameters at that round's send when one waits, else the next round's
-        start less the global copy (its carry)."""
+        when no round waits (and always without overlap), and ``fragment`` which fragment it
+        is of. ``base`` (None without overlap) is this replica's parameters at that round's
+        send (for its fragment; elsewhere, and when no round waits, the next round's start
+        less the global copy: the carry)."""
         pending = None
         if self._round is not None:
             self._receive()
             if self._round.received:
                 pending = self._mean.clone()
+        fragment = self._flight if pending is not None else None
         return {
             "format": FORMAT_VERSION,
             "settings": self._settings(),
@@ -687,6 +792,7 @@ class LocalSteps:
             "encoders": [e.state_dict() for e in self.encoders],
             "outer": self.outer.state_dict(),
             "pending": pending,
+            "fragment": fragment,
             "base": None if self._base is None else self._base.clone(),
         }
 
@@ -703,6 +809,7 @@ class LocalSteps:
         old_overlap = state.get("format") == 3  # overlap a bool, and the lead
         if old_overlap:
             state = _from_format_3(state)
+        state = {"fragment": 0 if state.get("pending") is not None else None, **state}
         missing = {"format", "settings", "steps", "syncs", "bytes_sent", "dense_bytes",
                    "global", "encoders", "outer", "pending", "base"} - set(state)  # fmt: skip
         if missing:
@@ -713,6 +820,7 @@ class LocalSteps:
                 f"{FORMAT_VERSION}: resume with the gradshare version that saved it."
             )
         here, saved = self._settings(), check_mapping(state["settings"], "`settings`")
+        saved = {"fragments": 1, **saved}  # before fragments: one
         if legacy:
             saved = {"overlap": False, **saved}
         if legacy or old_overlap:  # then a bool: True was a merge at the next sync
@@ -757,7 +865,16 @@ class LocalSteps:
             if probe.residual is not None:
                 probe.residual = probe.residual.to(self.home)
             probes.append(probe)
-        pending, base = state["pending"], state["base"]
+        pending, base, fragment = state["pending"], state["base"], state["fragment"]
+        if pending is not None and (
+            isinstance(fragment, bool) or not isinstance(fragment, int)
+            or not 0 <= fragment < len(self._parts)
+        ):  # fmt: skip
+            raise ValueError(
+                f"LocalSteps state's `fragment` must be the index of the fragment whose round "
+                f"waits (0 to {len(self._parts) - 1}), got {fragment!r}: the checkpoint is "
+                "corrupted."
+            )
         self._check_vector(pending, "`pending` (the mean of a round waiting for its merge)")
         self._check_vector(base, "`base` (where the round in flight was sent from, or the carry)")
         if old_overlap and pending is not None:  # its round was sent from the start then
@@ -768,6 +885,7 @@ class LocalSteps:
         if self._round is not None:
             self._round.drop()  # what was in flight is replaced by the state
             self._round.received = pending is not None
+            self._flight = fragment if pending is not None else None
             if pending is not None:
                 self._mean.copy_(pending)
         if self._base is not None:
@@ -836,7 +954,8 @@ class LocalSteps:
         mode = "dense" if self.dense else self._threshold_text()
         return (
             f"LocalSteps(sync_every={self.sync_every}, {mode}, decay={self.decay}, "
-            f"outer={self._outer_text}{f', overlap={self.overlap}' if self.overlap else ''})"
+            f"outer={self._outer_text}{f', overlap={self.overlap}' if self.overlap else ''}"
+            f"{f', fragments={self.fragments}' if self.fragments > 1 else ''})"
         )
 
 
@@ -868,6 +987,7 @@ def _check_arguments(
     decay: Any,
     threshold: Any,
     overlap: Any,
+    fragments: Any = 1,
 ) -> None:
     """Refuse bad constructor arguments, one error each naming the argument and the fix."""
     from torch.nn.parallel import DistributedDataParallel
@@ -920,3 +1040,22 @@ def _check_arguments(
         )
     if not any(True for _ in model.parameters()):
         raise ValueError("Expect a model with parameters: there is nothing to sync.")
+    count = sum(1 for _ in model.parameters())
+    if (
+        isinstance(fragments, bool)
+        or not isinstance(fragments, int)
+        or not (1 <= fragments <= min(sync_every, count))
+    ):
+        raise ValueError(
+            f"Expect `fragments` to be an int from 1 to {min(sync_every, count)} (at most "
+            f"sync_every={sync_every} and the model's {count} parameter tensors), got "
+            f"{fragments!r}: pass e.g. fragments=1 (the whole model at each sync)."
+        )
+    tau = sync_every if overlap is True else int(overlap)
+    gap = sync_every // fragments  # the fewest steps between two fragments' syncs
+    if fragments > 1 and tau > gap:
+        raise ValueError(
+            f"Expect `overlap` of at most {gap} steps with fragments={fragments} and "
+            f"sync_every={sync_every} (a fragment's round must be merged before the next "
+            f"fragment's sync), got {overlap!r}: lower `overlap` or `fragments`."
+        )
