@@ -159,6 +159,13 @@ class LocalSteps:
     (DiLoCo); with ``outer_optimizer=lambda p: torch.optim.SGD(p, lr=1.0)`` a dense sync
     leaves every replica at the mean of the ranks' replicas.
 
+    Fragments (``fragments=P``, Streaming DiLoCo): the parameters are cut into P runs of
+    about equal size, and fragment f goes through steps 1-7 alone, at the steps ≡
+    f·``sync_every``/P (mod ``sync_every``); the other parameters are left as they are (the
+    outer optimizer steps only the fragment's, which alone have a gradient). Each exchange
+    carries 1/P of the bytes; a fragment is bit-identical on every rank right after its own
+    sync (or merge), the others keep their moves since theirs.
+
     Tuning: ``density`` sets the bytes (``bytes_sent`` vs ``dense_bytes``); ``decay`` < 1
     forgets stale residual mass; the outer learning rate (default :func:`default_outer_lr`:
     2.8 under an adaptive inner optimizer such as AdamW, 1.4 under SGD) scales each merge.
