@@ -525,10 +525,12 @@ def test_grad_scaler_skipped_step_still_syncs_in_step(refusals: list[dict]) -> N
         assert torch.equal(a, b)
 
 
-def _rank_fault(rank: int, world: int, kind: str, overlap: bool) -> tuple[float, str]:
+def _rank_fault(
+    rank: int, world: int, kind: str, overlap: int, fragments: int = 1
+) -> tuple[float, str]:
     model = toy_model()
     inner = torch.optim.SGD(model.parameters(), lr=0.1)
-    LocalSteps(model, inner, sync_every=2, timeout=3, overlap=overlap)
+    LocalSteps(model, inner, sync_every=2, timeout=3, overlap=overlap, fragments=fragments)
     start = time.monotonic()
     try:
         for step, batch in enumerate(toy_batches(8 * world)[rank::world]):
@@ -543,12 +545,16 @@ def _rank_fault(rank: int, world: int, kind: str, overlap: bool) -> tuple[float,
     raise AssertionError("the sync did not fail")
 
 
-@pytest.mark.parametrize(("kind", "overlap"), [("raise", False), ("kill", False), ("raise", True)])
-def test_lost_peer_raises_within_the_timeout(kind: str, overlap: bool) -> None:
+@pytest.mark.parametrize(
+    ("kind", "overlap", "fragments"),
+    [("raise", False, 1), ("kill", False, 1), ("raise", True, 1), ("raise", 1, 2)],
+)
+def test_lost_peer_raises_within_the_timeout(kind: str, overlap: int, fragments: int) -> None:
     """A rank that raises (or is killed) between syncs: the other raises a clear error at
     its next sync within the timeout, instead of waiting forever (with overlap, whether the
-    round in flight or the next sync's header finds the peer gone)."""
-    survivor, lost = spawn(_rank_fault, 2, kind, overlap, timeout=40)
+    round in flight or the next sync's header finds the peer gone; with 2 fragments and τ 1,
+    after merging the last round, at the other fragment's sync)."""
+    survivor, lost = spawn(_rank_fault, 2, kind, overlap, fragments, timeout=40)
     waited, msg = survivor.get()
     assert waited < 15, waited  # the 3 s timeout, with room for a loaded machine; not 60 s
     assert "timeout 3 s" in msg and ("sync header" in msg or overlap)
