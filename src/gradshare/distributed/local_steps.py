@@ -335,9 +335,9 @@ class LocalSteps:
         self._flight: int | None = None
         """With ``overlap``: the fragment whose round is in flight or waits for its merge."""
         self._base = torch.zeros_like(self._delta) if self.overlap else None
-        """With ``overlap``, flat float32: while a round is in flight (or its mean waits for
-        the merge), this replica's parameters at its send; otherwise the next round's start
-        less the global copy (the carry, plus the lead with τ = ``sync_every``)."""
+        """With ``overlap``, flat float32: for the fragment whose round is in flight (or whose
+        mean waits for the merge), this replica's parameters at its send; elsewhere the next
+        round's start less the global copy (the carry)."""
         self._scaler = grad_scaler
         self._handle: Any = None
         if grad_scaler is None:
@@ -561,9 +561,9 @@ class LocalSteps:
     def _compute_delta(self, part: _Fragment) -> int:
         """Δ = start - local into the float32 buffer, for ``part``'s parameters; the index of
         the first parameter whose Δ is not finite (-1 when all are). The start is the global
-        copy; with overlap, plus ``_base`` (the carry, or the lead), or ``_base`` itself when
-        the last round's mean waits for its merge (τ = ``sync_every``: where that round was
-        sent from)."""
+        copy; with overlap, plus ``_base`` (the carry), or ``_base`` itself when the last
+        round's mean waits for its merge (τ = ``sync_every``: where that round was sent from,
+        the lead included)."""
         bad = -1
         n = part.last - part.first
         base = self._pieces(self._base, part) if self._base is not None else [None] * n
