@@ -275,7 +275,7 @@ class LocalSteps:
         self.decay = float(decay)
         self.magnitude = self.options.magnitude
         self.offload = bool(offload)
-        self.overlap = int(overlap) * (sync_every if overlap is True else 1)
+        self.overlap = _overlap_steps(overlap, sync_every)
         """τ: the inner steps each round's exchange runs in the background (0: no overlap)."""
         self.timeout = timedelta(seconds=self.options.seconds())
         self.group = group
@@ -523,10 +523,10 @@ class LocalSteps:
         Δ includes."""
         assert self._round is not None and self._base is not None
         self._receive()
-        flight = self._flight
-        if not self._round.take() or flight is None:
+        if not self._round.take():
             return  # none in flight: before the first sync, or after a flush
-        part = self._parts[flight]
+        assert self._flight is not None  # a round received is a fragment's
+        part = self._parts[self._flight]
         for p, b in zip(self._params(part), self._pieces(self._base, part), strict=True):
             b.sub_(p.detach().reshape(-1).to(self.home))  # the carry: sent-from - now
         self._outer_step(part)
@@ -734,7 +734,8 @@ class LocalSteps:
         assert self._base is not None
         self._receive()
         flight, self._flight = self._flight, None
-        if self._round.take() and flight is not None:
+        if self._round.take():
+            assert flight is not None  # a round received is a fragment's
             part = self._parts[flight]
             pieces = list(self._pieces(self._base, part))
             for p, b in zip(self._params(part), pieces, strict=True):
@@ -830,7 +831,7 @@ class LocalSteps:
         saved = {"fragments": 1, **saved}  # before fragments: one
         if legacy:
             saved = {"overlap": False, **saved}
-        if legacy or old_overlap:  # then a bool: True was a merge at the next sync
+        if old_overlap:  # (legacy too) a bool then: True was a merge at the next sync
             saved = {**saved, "overlap": self.sync_every if saved.get("overlap") is True else 0}
         counters = {k: check_counter(state, k, "LocalSteps state")
                     for k in ("steps", "syncs", "bytes_sent", "dense_bytes")}  # fmt: skip
@@ -966,6 +967,11 @@ class LocalSteps:
         )
 
 
+def _overlap_steps(overlap: bool | int, sync_every: int) -> int:
+    """τ for the ``overlap`` argument: ``True`` is ``sync_every``, ``False`` 0."""
+    return sync_every if overlap is True else int(overlap)
+
+
 def _from_format_3(state: dict[str, Any]) -> dict[str, Any]:
     """A state of format 3 (``lead`` where 4 has ``base``) in format 4's layout, its ``base``
     still relative to the global copy (the loader adds the copy when a round waits)."""
@@ -1058,9 +1064,8 @@ def _check_arguments(
             f"sync_every={sync_every} and the model's {count} parameter tensors), got "
             f"{fragments!r}: pass e.g. fragments=1 (the whole model at each sync)."
         )
-    tau = sync_every if overlap is True else int(overlap)
     gap = sync_every // fragments  # the fewest steps between two fragments' syncs
-    if fragments > 1 and tau > gap:
+    if fragments > 1 and _overlap_steps(overlap, sync_every) > gap:
         raise ValueError(
             f"Expect `overlap` of at most {gap} steps with fragments={fragments} and "
             f"sync_every={sync_every} (a fragment's round must be merged before the next "
