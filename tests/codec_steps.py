@@ -10,7 +10,8 @@ from gradshare import codec
 
 def run_steps() -> list[torch.Tensor]:
     """Messages, residuals and sums of sparse, bounded, bitmap and mean-magnitude encodes,
-    decodes small and large, fused sums, validation, take_update_ and find_nonfinite."""
+    decodes small and large, fused sums, validation, take_update_, subtract_, scale_keeping_
+    and find_nonfinite."""
     out: list[torch.Tensor] = []
     for dtype in (torch.float32, torch.float64):
         g = torch.Generator().manual_seed(0)
@@ -40,6 +41,12 @@ def run_steps() -> list[torch.Tensor]:
         codec.subtract_sum_(messages[:2], params, torch.zeros_like(x), divisor=4)
         update = torch.empty_like(x)
         codec.take_update_(x + 1, x, update)
+        delta = torch.empty_like(x)
+        codec.subtract_(x + 1, x * 0.5, delta, plus=x * 3)
+        kept = torch.empty_like(x)
+        scaled = x.clone()
+        codec.scale_keeping_(scaled, 0.95, kept)
+        out += [delta, kept, scaled]
         y = x.clone()
         y[[7, 70000]] = float("nan")
         out += [total, params, update, torch.tensor(codec.find_nonfinite(y))]

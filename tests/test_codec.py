@@ -625,6 +625,47 @@ class TestTakeUpdate:
             codec.take_update_(torch.zeros(4), torch.zeros(5), torch.zeros(4))
 
 
+class TestSubtract:
+    """``subtract_``: LocalSteps' Δ = (start + carry) - local in one pass, rounded as torch's
+    ``add`` then ``sub``, with the non-finite count that names a bad parameter."""
+
+    @pytest.mark.parametrize("n", [5, (1 << 16) * 3 + 7])
+    @pytest.mark.parametrize("plus", [False, True])
+    def test_exact_as_torch_ops(self, n: int, plus: bool) -> None:
+        g = torch.Generator().manual_seed(n)
+        before, after, carry = (torch.randn(n, generator=g) * 10**-i for i in range(3))
+        out = torch.empty(n)
+        extra = carry if plus else None
+        assert codec.subtract_(before, after, out, plus=extra) == 0
+        expected = (before + carry) - after if plus else before - after
+        assert torch.equal(out, expected)
+
+    @pytest.mark.parametrize("n", [10, 200_000])
+    def test_nonfinite_counted(self, n: int) -> None:
+        before, after, carry = torch.zeros(n), torch.zeros(n), torch.zeros(n)
+        after[n - 3], carry[1] = float("nan"), float("inf")
+        assert codec.subtract_(before, after, torch.empty(n)) == 1
+        assert codec.subtract_(before, after, torch.empty(n), plus=carry) == 2
+        big = torch.full((n,), 3e38)
+        assert codec.subtract_(big, -big, torch.empty(n)) == n  # overflow to infinity
+
+    def test_mismatched_buffers_refused(self) -> None:
+        with pytest.raises(ValueError, match="`plus` like `before`"):
+            codec.subtract_(torch.zeros(4), torch.zeros(4), torch.zeros(4), plus=torch.zeros(5))
+
+
+@pytest.mark.parametrize("n", [5, (1 << 16) * 3 + 7])
+def test_scale_keeping_keeps_the_old_values(n: int) -> None:
+    """``scale_keeping_``: the backup is the old vector bit for bit, the vector is scaled
+    exactly as ``mul_`` scales it."""
+    x = torch.randn(n, generator=torch.Generator().manual_seed(n))
+    old, backup = x.clone(), torch.empty(n)
+    codec.scale_keeping_(x, 0.95, backup)
+    assert torch.equal(backup, old) and torch.equal(x, old.mul(0.95))
+    with pytest.raises(ValueError, match="`backup` like `x`"):
+        codec.scale_keeping_(x, 0.95, torch.empty(n + 1))
+
+
 def test_checked_sum_still_refuses_another_length() -> None:
     """``checked=True`` skips re-validating a process's own messages, never the length check
     that keeps a decode inside its target."""

@@ -62,10 +62,16 @@ from gradshare.codec.messages import (
     nonfinite_error as nonfinite_error,
 )
 from gradshare.codec.messages import (
+    scale_keeping_ as scale_keeping_,
+)
+from gradshare.codec.messages import (
     serial_kernels as serial_kernels,
 )
 from gradshare.codec.messages import (
     shares_memory as shares_memory,
+)
+from gradshare.codec.messages import (
+    subtract_ as subtract_,
 )
 
 __all__ = [
@@ -92,4 +98,4 @@ __all__ = [
 ]
 # Also here, for gradshare's own modules (not public API): Workspace, serial_kernels, the
 # check_* helpers, float32_threshold, shares_memory, find_nonfinite, nonfinite_error and its
-# NonFiniteUpdate.
+# NonFiniteUpdate, subtract_ and scale_keeping_ (LocalSteps' fused passes).

@@ -151,9 +151,34 @@ def take_update_(
     """``out = before - after`` (and ``after = before`` with ``restore``); non-finite count."""
     if on_kernels(before) and before.numel():
         counts = np.zeros(kernels().num_chunks(before.numel()), np.int64)
-        launch("take_update", array(before), array(after), array(out), restore, counts)
+        b = array(before)
+        launch("take_update", b, b, False, array(after), array(out), restore, counts)
         return int(counts.sum())
     return _torch_paths.take_update_(before, after, out, restore)
+
+
+def subtract_(
+    before: torch.Tensor, plus: torch.Tensor | None, after: torch.Tensor, out: torch.Tensor
+) -> int:
+    """``out = (before + plus) - after`` (``before - after`` without ``plus``); non-finite
+    count."""
+    if on_kernels(before) and before.numel():
+        counts = np.zeros(kernels().num_chunks(before.numel()), np.int64)
+        b = array(before)
+        extra = b if plus is None else array(plus)
+        launch("take_update", b, extra, plus is not None, array(after), array(out), False,
+               counts)  # fmt: skip
+        return int(counts.sum())
+    return _torch_paths.subtract_(before, plus, after, out)
+
+
+def scale_keeping_(x: torch.Tensor, factor: float, backup: torch.Tensor) -> None:
+    """``backup = x`` and ``x *= factor``."""
+    if on_kernels(x) and x.numel():
+        launch("scale_keeping", array(x), scalar(factor, x), array(backup))
+    else:
+        backup.copy_(x)
+        x.mul_(factor)
 
 
 # --------------------------------------------------------------------------- decode

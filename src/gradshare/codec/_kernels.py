@@ -62,32 +62,39 @@ def num_chunks(n: int) -> int:
     return (n + CHUNK - 1) // CHUNK
 
 
-@njit(fastmath={"reassoc"}, **_OPTS)
-def count_nonfinite(x, counts):  # pragma: no cover - compiled
-    """Count the non-finite elements of ``x`` per chunk into ``counts``.
+@njit(fastmath={"reassoc"}, nogil=True, cache=True)
+def _nonfinite_in(xs):  # pragma: no cover - compiled
+    """The non-finite elements of ``xs`` (one chunk, in cache): a vectorised sum of ``x - x``
+    (0 for a finite x, NaN otherwise) first, counted element by element only when it is not
+    finite."""
+    acc = xs[0] - xs[0]
+    for j in range(xs.size):
+        acc += xs[j] - xs[j]
+    bad = 0
+    if acc != acc:
+        for j in range(xs.size):
+            bad += not (abs(xs[j]) < np.inf)
+    return bad
 
-    A vectorised sum of ``x - x`` (0 for a finite x, NaN otherwise) tells whether a chunk has
-    any; only such a chunk is counted element by element.
-    """
+
+@njit(**_OPTS)
+def count_nonfinite(x, counts):  # pragma: no cover - compiled
+    """Count the non-finite elements of ``x`` per chunk into ``counts``."""
     n = x.size
     for c in prange(counts.size):
         lo = c * CHUNK
-        hi = min(lo + CHUNK, n)
-        xs = x[lo:hi]
-        acc = xs[0] - xs[0]
-        for j in range(hi - lo):
-            acc += xs[j] - xs[j]
-        bad = 0
-        if acc != acc:
-            for j in range(hi - lo):
-                bad += not (abs(xs[j]) < np.inf)
-        counts[c] = bad
+        counts[c] = _nonfinite_in(x[lo : min(lo + CHUNK, n)])
 
 
-@njit(fastmath={"reassoc"}, **_OPTS)
-def take_update(before, after, out, restore, counts):  # pragma: no cover - compiled
-    """``out = before - after`` (and ``after = before`` if ``restore``), counting per chunk the
-    non-finite elements of ``out`` into ``counts``: one pass over the three arrays."""
+@njit(**_OPTS)
+def take_update(before, plus, has_plus, after, out, restore, counts):  # pragma: no cover
+    """``out = (before + plus) - after`` (``before - after`` without ``has_plus``; then
+    ``after = before`` if ``restore``), counting per chunk the non-finite elements of ``out``
+    into ``counts``: one pass over the arrays (the count reads each chunk again in cache).
+
+    No fastmath here: each element sees the same IEEE operations, in the same order, as
+    torch's ``add`` then ``sub``; only the count (:func:`_nonfinite_in`) reassociates.
+    """
     n = before.size
     for c in prange(counts.size):
         lo = c * CHUNK
@@ -95,23 +102,32 @@ def take_update(before, after, out, restore, counts):  # pragma: no cover - comp
         b = before[lo:hi]
         a = after[lo:hi]
         o = out[lo:hi]
-        acc = b[0] - b[0]
-        if restore:
+        if has_plus:
+            q = plus[lo:hi]
             for j in range(hi - lo):
-                d = b[j] - a[j]
-                o[j] = d
-                a[j] = b[j]
-                acc += d - d
+                o[j] = (b[j] + q[j]) - a[j]
         else:
             for j in range(hi - lo):
-                d = b[j] - a[j]
-                o[j] = d
-                acc += d - d
-        bad = 0
-        if acc != acc:
+                o[j] = b[j] - a[j]
+        if restore:
             for j in range(hi - lo):
-                bad += not (abs(o[j]) < np.inf)
-        counts[c] = bad
+                a[j] = b[j]
+        counts[c] = _nonfinite_in(o)
+
+
+@njit(**_OPTS)
+def scale_keeping(x, factor, backup):  # pragma: no cover - compiled
+    """``backup = x`` and ``x *= factor``, in one pass."""
+    n = x.size
+    for c in prange((n + CHUNK - 1) // CHUNK):
+        lo = c * CHUNK
+        hi = min(lo + CHUNK, n)
+        xs = x[lo:hi]
+        bs = backup[lo:hi]
+        for j in range(hi - lo):
+            v = xs[j]
+            bs[j] = v
+            xs[j] = v * factor
 
 
 _bitmap_add = make_bitmap_superblock(True, SUPER)
@@ -719,9 +735,9 @@ def _serial_twin(kernel):  # pragma: no cover - runs at import of this module
 PARALLEL = {
     k.py_func.__name__: k
     for k in (
-        count_nonfinite, take_update, scan, undo, emit_sparse, encode_bitmap, first_bad_entry,
-        decode_sparse, decode_bitmap, decode_sum, sent_magnitudes, bitmap_magnitudes,
-        encode_bitmap_step,
+        count_nonfinite, take_update, scale_keeping, scan, undo, emit_sparse,
+        encode_bitmap, first_bad_entry, decode_sparse, decode_bitmap, decode_sum,
+        sent_magnitudes, bitmap_magnitudes, encode_bitmap_step,
     )
 }  # fmt: skip
 """The kernels that run chunks in parallel, by name."""

@@ -71,6 +71,18 @@ def take_update_(
     return count_nonfinite(out)
 
 
+def subtract_(
+    before: torch.Tensor, plus: torch.Tensor | None, after: torch.Tensor, out: torch.Tensor
+) -> int:
+    """``out = (before + plus) - after`` (``before - after`` without ``plus``); non-finite
+    count."""
+    if plus is None:
+        torch.sub(before, after, out=out)
+    else:
+        torch.add(before, plus, out=out).sub_(after)
+    return count_nonfinite(out)
+
+
 # --------------------------------------------------------------------------- encode
 
 

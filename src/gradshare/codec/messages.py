@@ -271,6 +271,37 @@ def take_update_(
     return out
 
 
+def subtract_(
+    before: torch.Tensor, after: torch.Tensor, out: torch.Tensor, *,
+    plus: torch.Tensor | None = None,
+) -> int:  # fmt: skip
+    """``out = (before + plus) - after`` (``before - after`` without ``plus``), rounded as
+    torch's ``add`` then ``sub`` round it; the number of non-finite elements of ``out``.
+
+    On CPU it is one pass over the vectors, the count included (for a caller that names
+    what is not finite instead of raising, where :func:`take_update_` raises).
+    """
+    for name, x in (("after", after), ("out", out), ("plus", plus)):
+        if x is not None and (
+            x.shape != before.shape or x.dtype != before.dtype or x.device != before.device
+        ):
+            raise ValueError(
+                f"Expect `{name}` like `before` ({before.dtype}, {tuple(before.shape)}, "
+                f"{before.device}), got {x.dtype}, {tuple(x.shape)}, {x.device}."
+            )
+    return _dispatch.subtract_(before, plus, after, out)
+
+
+def scale_keeping_(x: torch.Tensor, factor: float, backup: torch.Tensor) -> None:
+    """``backup = x``, then ``x *= factor`` (in one pass on CPU)."""
+    if backup.shape != x.shape or backup.dtype != x.dtype or backup.device != x.device:
+        raise ValueError(
+            f"Expect `backup` like `x` ({x.dtype}, {tuple(x.shape)}, {x.device}), got "
+            f"{backup.dtype}, {tuple(backup.shape)}, {backup.device}."
+        )
+    _dispatch.scale_keeping_(x, factor, backup)
+
+
 # --------------------------------------------------------------------------- encode
 
 

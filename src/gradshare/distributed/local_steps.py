@@ -14,7 +14,6 @@ import bisect
 import copy
 import itertools
 import logging
-import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -330,6 +329,11 @@ class LocalSteps:
         """Per parameter: its residual and threshold state (none for dense syncs)."""
         self._delta = torch.zeros(self.numel, dtype=torch.float32, device=self.home)
         self._mean = torch.zeros_like(self._delta)
+        largest = max(part.numel for part in self._parts)
+        self._backup = torch.empty(0 if self.dense else largest, dtype=torch.float32,
+                                   device=self.home)  # fmt: skip
+        """The residuals of the fragment being synced as they were before its encode, while
+        its round may still fail (one round is in flight at most)."""
         self._round = InFlightRound(self.device) if self.overlap else None
         """With ``overlap``: the round whose exchange runs in the background."""
         self._flight: int | None = None
@@ -571,19 +575,24 @@ class LocalSteps:
         for i, g, p, d, b in zip(range(part.first, part.last), self._globals(part),
                                  self._params(part), self._pieces(None, part), base,
                                  strict=True):  # fmt: skip
-            d = d.view_as(g)
-            local = p.detach().to(self.home)
-            if b is None and g.dtype == torch.float32:
-                torch.sub(g, local, out=d)  # one pass
-            elif b is None:
-                d.copy_(g).sub_(local)  # in float32
-            elif sent_from:
-                torch.sub(b.view_as(g), local, out=d)
-            else:
-                torch.add(g, b.view_as(g), out=d).sub_(local)
-            # a NaN or an infinity anywhere makes the sum one (a finite sum proves them all
-            # finite); an overflowing sum of finite values is told apart by the full check
-            if bad < 0 and not (math.isfinite(float(d.sum())) or bool(torch.isfinite(d).all())):
+            local = p.detach().to(self.home).reshape(-1)
+            start = g.reshape(-1)
+            if g.dtype == local.dtype == torch.float32:  # one pass, the check included
+                if b is None:
+                    nonfinite = codec.subtract_(start, local, d)
+                elif sent_from:
+                    nonfinite = codec.subtract_(b, local, d)
+                else:
+                    nonfinite = codec.subtract_(start, local, d, plus=b)
+            else:  # in float32
+                if b is None:
+                    d.copy_(start).sub_(local)
+                elif sent_from:
+                    torch.sub(b, local, out=d)
+                else:
+                    torch.add(start, b, out=d).sub_(local)
+                nonfinite = int((~torch.isfinite(d)).sum())
+            if bad < 0 and nonfinite:
                 bad = i
         return bad
 
@@ -647,12 +656,18 @@ class LocalSteps:
         sent: list[tuple[torch.Tensor | None, float]] = []
         mine, failure = None, None
         # what each encoder holds now: a sync that fails puts it back whole (the decay, the
-        # encoded Δ and the threshold state), since the replicas keep their moves for the next
-        before = [enc.state_dict() for enc in encoders]
+        # encoded Δ and the threshold state), since the replicas keep their moves for the next;
+        # the residuals go to `_backup` (in the pass that decays them), the rest to `before`
+        before = [enc.state_dict(residual=False) for enc in encoders]
         try:
-            for enc, d in zip(encoders, self._pieces(None, part), strict=True):
-                if enc.residual is not None and self.decay != 1.0:
-                    enc.residual.mul_(self.decay)  # β·residual, inside the encoder's books
+            for enc, d, state, keep in zip(encoders, self._pieces(None, part), before,
+                                           slices(self._backup, sizes), strict=True):  # fmt: skip
+                if enc.residual is not None:
+                    state["residual"] = keep
+                    if self.decay != 1.0:  # β·residual, inside the encoder's books
+                        codec.scale_keeping_(enc.residual, self.decay, keep)
+                    else:
+                        keep.copy_(enc.residual)
                 message = enc.encode(d, self.syncs, finite=True)
                 assert enc.last_stats is not None
                 sent.append((message, enc.last_stats.threshold))

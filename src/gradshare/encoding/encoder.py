@@ -206,10 +206,16 @@ class Encoder:
 
     # ------------------------------------------------------------------ checkpointing
 
-    def state_dict(self) -> dict[str, Any]:
-        """Residual, threshold-algorithm state and the last message's feedback."""
+    def state_dict(self, *, residual: bool = True) -> dict[str, Any]:
+        """Residual, threshold-algorithm state and the last message's feedback.
+
+        With ``residual=False`` the ``"residual"`` entry is None, not a copy: for a caller
+        that keeps the residual itself, and puts its copy there before loading the state.
+        """
         return {
-            "residual": None if self.residual is None else self.residual.detach().clone(),
+            "residual": None
+            if self.residual is None or not residual
+            else self.residual.detach().clone(),
             "algorithm": self.algorithm.state_dict(),
             "post_processor": self.post_processor.state_dict(),
             "boundary": self.boundary,
