@@ -223,7 +223,8 @@ def _rank(
 ) -> None:  # fmt: skip
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    rows = [_method(m, rank, world, model, numel, steps) for m in [*methods, "compute"]]
+    rows = [_method(m, rank, world, model, numel, steps)
+            for m in ["compute", *methods, "compute"]]  # fmt: skip
     if rank == 0:
         Path(out).write_text(json.dumps(rows))
     dist.destroy_process_group()
@@ -240,6 +241,7 @@ def inner(model: str, world: int, numel: int, steps: int, methods: list[str]) ->
     compute = [r for r in rows if r["method"] == "compute"]
     rows = [r for r in rows if r["method"] != "compute"]
     rows.insert(0, min(compute, key=lambda r: r["ms"]))  # measured first and last: the floor
+    print(f"compute, first and last: {compute[0]['ms']:.1f} and {compute[-1]['ms']:.1f} ms/step")
     return rows
 
 
