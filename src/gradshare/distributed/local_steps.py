@@ -769,7 +769,7 @@ class LocalSteps:
         (:func:`~gradshare.distributed.metrics.share_metrics`)."""
         shown = self._round
         stats = shown.shown if shown is not None else [e.last_stats for e in self.encoders]
-        return share_metrics(self.bytes_sent, self.dense_bytes, stats)
+        return share_metrics(self.bytes_sent, self.dense_bytes, stats, encoded=not self.dense)
 
     # ------------------------------------------------------------------ checkpointing
 

@@ -10,6 +10,7 @@ it in Lightning's ``self.log`` and Trainer's logs.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterable
 
 import torch
@@ -64,14 +65,19 @@ def warn_if_adaptive(optimizer: object, where: str) -> bool:
 
 
 def share_metrics(
-    bytes_sent: int, dense_bytes: int, stats: Iterable[EncodeStats | None] = ()
-) -> dict[str, float]:
-    """The metrics of a sharing mode: its byte counters and its last step's encode stats
-    (none for dense sharing: density 1, threshold 0)."""
+    bytes_sent: int, dense_bytes: int, stats: Iterable[EncodeStats | None] = (), *,
+    encoded: bool = False,
+) -> dict[str, float]:  # fmt: skip
+    """The metrics of a sharing mode: its byte counters and its last step's encode stats.
+
+    Without stats: density 1 and threshold 0 when the mode sends dense (``encoded=False``);
+    NaN for both when it encodes but has not encoded since it started or loaded a state
+    (the stats of the step before a resume are not saved): not known yet, not dense."""
     last = [s for s in stats if s is not None]
     numel = sum(s.dense_bytes for s in last) // 4
-    density = sum(s.entries for s in last) / numel if numel else 1.0
-    threshold = sum(s.threshold for s in last) / len(last) if last else 0.0
+    unknown = math.nan if encoded else None
+    density = sum(s.entries for s in last) / numel if numel else (unknown or 1.0)
+    threshold = sum(s.threshold for s in last) / len(last) if last else (unknown or 0.0)
     return {
         "bytes_sent": float(bytes_sent),
         "dense_bytes": float(dense_bytes),

@@ -400,7 +400,8 @@ class SharedOptimizer(OptimizerWrapper):
     def metrics(self) -> dict[str, float]:
         """``bytes_sent``, ``dense_bytes``, ``compression``, ``density``, ``threshold``
         (:func:`~gradshare.distributed.metrics.share_metrics`)."""
-        return share_metrics(self.bytes_sent, self.dense_bytes, [self.last_stats])
+        return share_metrics(self.bytes_sent, self.dense_bytes, [self.last_stats],
+                             encoded=not self.options.dense)  # fmt: skip
 
     # ------------------------------------------------------------------ checkpointing
 

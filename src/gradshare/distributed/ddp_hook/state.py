@@ -159,7 +159,10 @@ class ThresholdHookState:
         """``bytes_sent``, ``dense_bytes``, ``compression``, ``density`` and ``threshold``
         (the mean of the parameters' thresholds) of the last step
         (:func:`~gradshare.distributed.metrics.share_metrics`)."""
-        return share_metrics(self.bytes_sent, self.dense_bytes, self.last_stats.values())
+        # the last iteration (self.iteration - 1) was encoded if it was at start_iter or after
+        encoded = not self.options.dense and self.iteration > self.start_iter
+        return share_metrics(self.bytes_sent, self.dense_bytes, self.last_stats.values(),
+                             encoded=encoded)  # fmt: skip
 
     # ------------------------------------------------------------------ checkpointing
 
