@@ -62,7 +62,8 @@ def build(args: argparse.Namespace, output_dir: Path) -> Trainer:
         ddp_find_unused_parameters=False,
     )
     trainer = Trainer(model=GPT2LMHeadModel(config), args=training, train_dataset=data)
-    GradshareCallback(share=args.share, sync_every=5).attach(trainer)  # the one gradshare line
+    local = {"overlap": args.overlap or False, "fragments": args.fragments}
+    GradshareCallback(share=args.share, sync_every=5, **local).attach(trainer)  # the gradshare line
     return trainer
 
 
@@ -82,6 +83,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--share", choices=["hook", "updates", "local"], default="hook")
     parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument(
+        "--overlap",
+        type=int,
+        default=0,
+        help="--share local: steps each sync's exchange runs behind (0: none)",
+    )
+    parser.add_argument("--fragments", type=int, default=1,
+                        help="--share local: parts of the model synced in turn")  # fmt: skip
     parser.add_argument("--lr", type=float, help="default: 0.3 (SGD, hook), 3e-3 (AdamW)")
     parser.add_argument("--save-steps", type=int, help="save a checkpoint every this many steps")
     parser.add_argument("--output-dir", type=Path, default=Path("hf_trainer_out"))

@@ -100,6 +100,14 @@ def main(argv: list[str] | None = None) -> None:
         help="the DDP hook, SharedOptimizer (the optimizer's updates), or LocalSteps",
     )  # fmt: skip
     parser.add_argument("--sync-every", type=int, default=10, help="--share local: H")
+    parser.add_argument(
+        "--overlap",
+        type=int,
+        default=0,
+        help="--share local: steps each sync's exchange runs behind (0: none)",
+    )
+    parser.add_argument("--fragments", type=int, default=1,
+                        help="--share local: parts of the model synced in turn")  # fmt: skip
     parser.add_argument("--checkpoint-dir", type=Path, help="save a checkpoint every epoch")
     parser.add_argument("--resume", type=Path, help="a checkpoint to resume the fit from")
     parser.add_argument("--out", type=Path, help="write the final flat parameters here")
@@ -111,7 +119,9 @@ def main(argv: list[str] | None = None) -> None:
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     if args.share == "local":  # LocalSteps' own threshold: a quantile of each sync's moves
-        sharing: dict[str, Any] = {"sync_every": args.sync_every}
+        sharing: dict[str, Any] = {"sync_every": args.sync_every,
+                                   "overlap": args.overlap or False,
+                                   "fragments": args.fragments}  # fmt: skip
     else:
         sharing = {"threshold": AdaptiveThreshold(args.threshold)}
     strategy = GradshareDDPStrategy(

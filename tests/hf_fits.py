@@ -1,10 +1,11 @@
 """The Hugging Face Trainer example on each path in the same 2 processes, under torchrun: each
 process spends seconds of CPU importing transformers, more than a run of the example takes,
-so ``tests/test_hf_trainer.py`` runs the three paths in one launch rather than three.
+so ``tests/test_hf_trainer.py`` runs the four paths in one launch rather than four.
 
-For ``--share`` hook, updates and local in turn: 10 steps straight through, saving at step 5,
-then resumed from ``checkpoint-5`` with a fresh model and Trainer (``--check-resume 5``),
-into ``TMP/{share}/out``, the parameters into ``TMP/{share}/straight.pt``.
+For ``--share`` hook, updates, local, and local with ``--overlap 2`` in turn: 10 steps straight
+through, saving at step 5, then resumed from ``checkpoint-5`` with a fresh model and Trainer
+(``--check-resume 5``), into ``TMP/{path}/out``, the parameters into
+``TMP/{path}/straight.pt``.
 
     python -m torch.distributed.run --standalone --nproc_per_node=2 tests/hf_fits.py TMP
 
@@ -24,21 +25,28 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import hf_trainer
 
-SHARES = ("hook", "updates", "local")
+PATHS = {
+    "hook": ["--share", "hook"],
+    "updates": ["--share", "updates"],
+    "local": ["--share", "local"],
+    "local-overlap": ["--share", "local", "--overlap", "2"],
+}
+"""Each path's options, by name (local with overlap: checkpoint-5 holds a round in flight;
+every fragment at once, so the replicas are bit-identical at the end, as the example checks)."""
 
 
 def main() -> None:
     tmp = Path(sys.argv[1])
     said: dict[str, str] = {}
-    for share in SHARES:
+    for name, chosen in PATHS.items():
         args = hf_trainer.parse_args(
-            ["--share", share, "--steps", "10", "--check-resume", "5",
-             "--output-dir", str(tmp / share / "out"), "--out", str(tmp / share / "straight.pt")]
+            [*chosen, "--steps", "10", "--check-resume", "5",
+             "--output-dir", str(tmp / name / "out"), "--out", str(tmp / name / "straight.pt")]
         )  # fmt: skip
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
             hf_trainer.run(args)
-        said[share] = out.getvalue()
+        said[name] = out.getvalue()
     if dist.get_rank() == 0:
         (tmp / "said.json").write_text(json.dumps(said))
     dist.destroy_process_group()

@@ -1,6 +1,6 @@
-"""Nine fits of ``examples/lightning_ddp.py`` in the same 2 processes, under torchrun: each
+"""Eleven fits of ``examples/lightning_ddp.py`` in the same 2 processes, under torchrun: each
 Lightning process spends ~6 s of CPU importing Lightning, ten times what a fit of the example
-takes, so ``tests/test_integrations.py`` runs these in one launch rather than nine.
+takes, so ``tests/test_integrations.py`` runs these in one launch rather than eleven.
 
 Every fit calls the example's ``main`` with a fresh model, strategy and Trainer; what one fit
 leaves in the process (the process group) the next one reuses, as Lightning does under
@@ -10,7 +10,8 @@ torchrun. In order, each ``--steps-per-epoch 3 --epochs 2``:
    ``step=3.ckpt`` (through a ``last.ckpt`` link, as ``ModelCheckpoint(save_last="link")``
    makes it); the same for ``--share updates``.
 2. ``--share local --sync-every 2`` straight through, then resumed from ``step=3.ckpt`` (saved
-   between two syncs: the replicas differ, each rank's own in its rank file).
+   between two syncs: the replicas differ, each rank's own in its rank file); the same with
+   ``--overlap 1 --fragments 2`` (the checkpoint saved with a fragment's round in flight).
 3. On a copy of the gradients fit's checkpoint: rank 1's file left from the save before
    (refused), then the checkpoint as plain ``ddp`` saves it, without rank files (refused, then
    resumed with ``--resume-without-rank-files``).
@@ -65,15 +66,22 @@ def on_rank_zero(action: Callable[[], object]) -> None:
 def main() -> None:
     tmp = Path(sys.argv[1])
     results: dict[str, tuple[str, str | None]] = {}
-    for share in ("gradients", "updates", "local"):
-        ckpt = tmp / share / "ckpt"
-        args = ["--share", share, *EPOCHS, *(["--sync-every", "2"] if share == "local" else [])]
-        results[f"{share}-straight"] = fit(*args, "--checkpoint-dir", ckpt,
-                                           "--out", tmp / share / "straight.pt")  # fmt: skip
+    local = ["--share", "local", "--sync-every", "2"]
+    fits = {
+        "gradients": ["--share", "gradients"],
+        "updates": ["--share", "updates"],
+        "local": local,
+        "local-overlap": [*local, "--overlap", "1", "--fragments", "2"],
+    }
+    for name, chosen in fits.items():
+        ckpt = tmp / name / "ckpt"
+        args = [*chosen, *EPOCHS]
+        results[f"{name}-straight"] = fit(*args, "--checkpoint-dir", ckpt,
+                                          "--out", tmp / name / "straight.pt")  # fmt: skip
         link = ckpt / "last.ckpt"
         on_rank_zero(partial(link.symlink_to, "step=3.ckpt"))
-        results[f"{share}-resumed"] = fit(*args, "--resume", link,
-                                          "--out", tmp / share / "resumed.pt")  # fmt: skip
+        results[f"{name}-resumed"] = fit(*args, "--resume", link,
+                                         "--out", tmp / name / "resumed.pt")  # fmt: skip
 
     saved = tmp / "spoiled" / "step=3.ckpt"
     args = ["--share", "gradients", *EPOCHS, "--resume", saved]

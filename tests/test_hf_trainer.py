@@ -3,7 +3,8 @@
 Each path trains the tiny GPT-2 of ``examples/hf_trainer.py`` on 2 processes for 10 steps,
 saving at step 5, then resumes from ``checkpoint-5`` with a fresh model and Trainer and must
 end at the same parameters, bit for bit; every run checks its replicas are bit-identical and
-that gradshare's metrics reached ``trainer.state.log_history``. The three paths run in one
+that gradshare's metrics reached ``trainer.state.log_history``. The four paths (local twice:
+without overlap and with ``overlap=2``, its checkpoint saved with a round in flight) run in one
 launch (``tests/hf_fits.py``); one (``local``) also resumes from its ``checkpoint-5`` in new
 processes, launched as a user launches the example.
 """
@@ -33,7 +34,7 @@ def _torch_kernels() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def fits(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, str]]:
-    """``tests/hf_fits.py``: the three paths, each straight through and resumed from
+    """``tests/hf_fits.py``: the four paths, each straight through and resumed from
     ``checkpoint-5``, in one torchrun launch; what each printed, by path."""
     pytest.importorskip("transformers", reason=f"needs transformers: {INSTALL}")
     tmp = tmp_path_factory.mktemp("hf")
@@ -42,7 +43,7 @@ def fits(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, str]
     return tmp, json.loads((tmp / "said.json").read_text())
 
 
-@pytest.mark.parametrize("share", ["hook", "updates", "local"])
+@pytest.mark.parametrize("share", ["hook", "updates", "local", "local-overlap"])
 def test_replicas_agree_and_the_resume_holds(share: str, fits: tuple[Path, dict[str, str]]) -> None:
     tmp, said = fits
     out = said[share]

@@ -119,10 +119,11 @@ def plain_ddp(*args: Any) -> torch.Tensor:
 
 
 def _lightning_fits(tmp: Path) -> dict[str, Any]:
-    """``tests/lightning_fits.py``: its nine fits in one torchrun launch (the three shares
-    straight through and resumed, the spoiled checkpoints), and plain DDP for two shares,
-    which runs meanwhile; then the example as a user runs it (Lightning's own launcher starts
-    the processes), resuming the local fit from its ``step=3.ckpt`` in new processes."""
+    """``tests/lightning_fits.py``: its eleven fits in one torchrun launch (the three shares,
+    and local with overlap and fragments, straight through and resumed; the spoiled
+    checkpoints), and plain DDP for two shares, which runs meanwhile; then the example as a
+    user runs it (Lightning's own launcher starts the processes), resuming the local fit
+    from its ``step=3.ckpt`` in new processes."""
     with ThreadPoolExecutor(1) as meanwhile:
         oracles = {share: meanwhile.submit(plain_ddp, "lightning", 2, 3, share)
                    for share in ("gradients", "updates")}  # fmt: skip
@@ -167,6 +168,7 @@ def runs(
     if importlib.util.find_spec("lightning") is not None and (
         selected(request, "test_resumed_fit_matches_the_straight_fit_and_plain_ddp")
         or selected(request, "test_local_steps_resume_bit_for_bit")
+        or selected(request, "test_local_steps_with_overlap_and_fragments")
         or selected(request, "test_stale_and_plain_checkpoints")
     ):
         jobs["lightning"] = partial(_lightning_fits, tmp_path_factory.mktemp("lightning"))
@@ -232,6 +234,29 @@ class TestLightning:
         assert re.search(r"step 6: rank 0 sent [\d,]+ B vs [\d,]+ B dense", said), said
         new = torch.load(run["tmp"] / "local" / "resumed-new.pt", weights_only=True)
         assert torch.equal(whole, new)
+
+    def test_local_steps_with_overlap_and_fragments(
+        self, runs: dict[str, Future[dict[str, Any]]]
+    ) -> None:
+        """``overlap`` and ``fragments`` reach LocalSteps through the strategy: 2 fragments
+        synced in turn, each exchange merged a step later; saved at step 3 with a round in
+        flight (its mean and fragment in each rank's file), resumed to the same end."""
+        pytest.importorskip("lightning", reason=f"needs Lightning: {INSTALL}")
+        run = runs["lightning"].result()
+        for fit in ("local-overlap-straight", "local-overlap-resumed"):
+            assert [ranks[fit][1] for ranks in run["fits"]] == [None] * WORLD, run["fits"]
+        first = run["tmp"] / "local-overlap" / "ckpt" / "step=3.ckpt"
+        files = [torch.load(lightning_rank_file(first, r), weights_only=True)
+                 for r in range(WORLD)]  # fmt: skip
+        for file in files:
+            sync = file["state"]["local"]["state"]
+            assert (sync["settings"]["overlap"], sync["settings"]["fragments"]) == (1, 2)
+            assert sync["pending"] is not None and sync["fragment"] in (0, 1), sync["fragment"]
+        tmp = run["tmp"] / "local-overlap"
+        whole = torch.load(tmp / "straight.pt", weights_only=True)
+        assert torch.equal(whole, torch.load(tmp / "resumed.pt", weights_only=True))
+        plain = torch.load(run["tmp"] / "local" / "straight.pt", weights_only=True)
+        assert not torch.equal(whole, plain)  # the settings changed the run
 
     def test_stale_and_plain_checkpoints(self, runs: dict[str, Future[dict[str, Any]]]) -> None:
         """A rank file left from the save before was accepted (exit 0, other parameters); a

@@ -58,8 +58,8 @@ class GradshareCallback(TrainerCallback):
 
     Args:
         share: ``"hook"``, ``"updates"`` or ``"local"``.
-        sync_every, density, decay, outer_optimizer: :class:`~gradshare.LocalSteps`'
-            (``share="local"``).
+        sync_every, density, decay, outer_optimizer, overlap, fragments:
+            :class:`~gradshare.LocalSteps`' (``share="local"``).
         start_iter, momentum: the hook's (:class:`~gradshare.ThresholdHookState`).
         resume_from: the folder holding ``checkpoint-N`` of a resumed run when it is not
             ``args.output_dir``.
@@ -79,6 +79,8 @@ class GradshareCallback(TrainerCallback):
         density: float = DEFAULT_DENSITY,
         decay: float = DEFAULT_DECAY,
         outer_optimizer: Any = None,
+        overlap: bool | int = False,
+        fragments: int = 1,
         start_iter: int = 1,
         momentum: float = 0.0,
         resume_from: str | Path | None = None,
@@ -90,7 +92,8 @@ class GradshareCallback(TrainerCallback):
         self.share = share
         self.options = encoding_options(options, encoding, "GradshareCallback")
         self._local = {"sync_every": sync_every, "density": density, "decay": decay,
-                       "outer_optimizer": outer_optimizer}  # fmt: skip
+                       "outer_optimizer": outer_optimizer, "overlap": overlap,
+                       "fragments": fragments}  # fmt: skip
         self._hook: dict[str, Any] = {"start_iter": start_iter, "momentum": momentum}
         self.resume_from = None if resume_from is None else Path(resume_from)
         self.trainer: Any = None

@@ -68,8 +68,8 @@ class GradshareDDPStrategy(DDPStrategy):
     Args:
         share: ``"gradients"`` (the hook), ``"updates"`` (SharedOptimizer) or ``"local"``
             (LocalSteps).
-        sync_every, density, decay, outer_optimizer: :class:`~gradshare.LocalSteps`'
-            (``share="local"``).
+        sync_every, density, decay, outer_optimizer, overlap, fragments:
+            :class:`~gradshare.LocalSteps`' (``share="local"``).
         start_iter, momentum: the hook's (:class:`~gradshare.ThresholdHookState`).
         options: the encoding settings (:class:`~gradshare.EncodingOptions`), or give its
             fields as keywords (``threshold``, ``post_processor``, ``boundary``,
@@ -103,6 +103,8 @@ class GradshareDDPStrategy(DDPStrategy):
         density: float = DEFAULT_DENSITY,
         decay: float = DEFAULT_DECAY,
         outer_optimizer: Any = None,
+        overlap: bool | int = False,
+        fragments: int = 1,
         start_iter: int = 1,
         momentum: float = 0.0,
         gradshare_timeout: float | timedelta | None = None,
@@ -132,6 +134,8 @@ class GradshareDDPStrategy(DDPStrategy):
             "density": density,
             "decay": decay,
             "outer_optimizer": outer_optimizer,
+            "overlap": overlap,
+            "fragments": fragments,
         }
         self.hook_state: ThresholdHookState | None = None
         self.local_steps: LocalSteps | None = None
