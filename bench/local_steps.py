@@ -31,7 +31,8 @@ Methods:
   ``threshold=QuantileThreshold(density, warmup=n)`` (the density starts at 25% and falls to
   ``density`` over the first n syncs), ``-mean`` sets ``magnitude="mean"``
   (each sent entry carries the mean magnitude of what its tensor sends, not the threshold),
-  ``-nesterov`` makes the outer SGD DiLoCo's Nesterov momentum 0.9 (lr 0.7 unless ``-lr``).
+  ``-nesterov`` makes the outer SGD DiLoCo's Nesterov momentum 0.9 (lr 0.7 unless ``-lr``),
+  ``-m{x}`` gives it heavy-ball momentum x instead (the default lr unless ``-lr``).
 * ``diloco-dense`` / ``diloco-dense-H{h}``: ``LocalSteps(dense=True)`` with DiLoCo's outer
   optimizer, Nesterov SGD lr 0.7 momentum 0.9 (H 10 unless given).
 * ``postlocal`` / ``postlocal-H{h}``: torch's ``PostLocalSGDOptimizer`` with a
@@ -94,7 +95,7 @@ DILOCO_LR, DILOCO_MOMENTUM = 0.7, 0.9
 METHOD = re.compile(
     r"^(?P<kind>local|diloco-dense|postlocal|torchft)(-H(?P<h>\d+))?(-d(?P<pct>[\d.]+))?"
     r"(-lr(?P<lr>[\d.]+))?(-b(?P<beta>[\d.]+))?(-w(?P<warmup>\d+))?(?P<mean>-mean)?"
-    r"(?P<nesterov>-nesterov)?(-f(?P<frags>\d+))?"
+    r"(?P<nesterov>-nesterov)?(-m(?P<momentum>[\d.]+))?(-f(?P<frags>\d+))?"
     r"(?P<overlap>-overlap(?P<tau>\d+)?)?$"
 )
 _TORCHFT_RUNS = itertools.count()
@@ -149,6 +150,12 @@ def build(name: str, model: nn.Module, opt: torch.optim.Optimizer, steps: int) -
         if m["nesterov"]:
             kwargs["outer_optimizer"] = lambda p: torch.optim.SGD(
                 p, lr=lr or DILOCO_LR, momentum=DILOCO_MOMENTUM, nesterov=True)  # fmt: skip
+        elif m["momentum"]:
+            from gradshare.distributed.local_steps import default_outer_lr
+
+            mu = float(m["momentum"])
+            rate = lr or default_outer_lr(opt)
+            kwargs["outer_optimizer"] = lambda p: torch.optim.SGD(p, lr=rate, momentum=mu)
         elif lr is not None:
             kwargs["outer_optimizer"] = lambda p: torch.optim.SGD(p, lr=lr)
         if m["beta"]:
