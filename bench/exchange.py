@@ -23,7 +23,8 @@ with the settings a user gets by default:
 * ``local``, ``local-overlap``, ``local-overlap{τ}``: ``gradshare.LocalSteps(model, adamw,
   sync_every=10)`` with its defaults, with ``overlap=True`` (merged at the next sync) and
   with ``overlap=τ`` (merged τ steps after its sync; τ 1, 2 or 5), ``local-f5-overlap{τ}``
-  with ``fragments=5`` too (each fifth of the model synced in turn) (no DDP); timed over
+  with ``fragments=5`` too (each fifth of the model synced in turn), ``local-d2-f5-overlap2``
+  with ``density=0.02`` too (no DDP); timed over
   whole rounds of 10 steps, each ending with its sync, after one untimed round;
   ``ms/step`` is their mean, not the median;
 
@@ -61,6 +62,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -84,7 +86,10 @@ from _models import gpt, lm_loss, powersgd_bytes, text, text_batch, vocab_size
 RESULTS = Path(__file__).resolve().parent / "results"
 METHODS = ["compute", "dense", "fp16", "powersgd-1", "powersgd-4", "hook", "hook-1%", "shared",
            "local", "local-overlap", "local-overlap1", "local-overlap2",
-           "local-overlap5", "local-f5-overlap2", "local-f5-overlap1"]  # fmt: skip
+           "local-overlap5", "local-f5-overlap2", "local-f5-overlap1",
+           "local-d2-f5-overlap2"]  # fmt: skip
+LOCAL_METHOD = re.compile(r"^local(-d(?P<pct>[\d.]+))?(-f(?P<frags>\d+))?(-overlap(?P<tau>\d+)?)?$")
+"""``local[-d{pct}][-f{p}][-overlap[τ]]``: density pct %, p fragments, overlap τ (True bare)."""
 LOCAL_H = 10
 """``sync_every`` of the ``local`` methods."""
 MODELS = ["gpt", "square"]
@@ -168,11 +173,12 @@ def _method(method: str, rank: int, world: int, model: str, numel: int, steps: i
         opt = gradshare.SharedOptimizer(opt)
     local = None
     if method.startswith("local"):
-        fragments = 5 if method.startswith("local-f5") else 1
-        tau = method.removeprefix("local").removeprefix("-f5").removeprefix("-overlap")
-        overlap = (int(tau) if tau else True) if "-overlap" in method else False
+        m = LOCAL_METHOD.match(method)
+        assert m is not None, method
+        overlap = (int(m["tau"]) if m["tau"] else True) if "-overlap" in method else False
+        extra = {"density": float(m["pct"]) / 100} if m["pct"] else {}
         local = gradshare.LocalSteps(net, opt, sync_every=LOCAL_H, overlap=overlap,
-                                     fragments=fragments)  # fmt: skip
+                                     fragments=int(m["frags"] or 1), **extra)  # fmt: skip
     sent0 = [0]
 
     def step(i: int) -> None:
