@@ -76,6 +76,29 @@ def test_the_hook_with_adam_warns_once(
     assert len(said) == 1 and "share='updates'" in said[0], said
 
 
+def test_the_hook_warns_for_adam_subclasses_and_wrapped_adam(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The warning looked at the class name alone: a subclass of AdamW, or an AdamW held by
+    a wrapper (accelerate's, Lightning's), went unwarned though ``is_adaptive`` knew them."""
+    p = [torch.nn.Parameter(torch.zeros(2))]
+
+    class MyAdamW(torch.optim.AdamW):
+        pass
+
+    class Wrapper:
+        def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+            self.optimizer = optimizer
+
+    for optimizer, name in ((MyAdamW(p), "MyAdamW"), (Wrapper(torch.optim.AdamW(p)), "AdamW")):
+        monkeypatch.setattr(metrics, "_warned", set())
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="gradshare.distributed.metrics"):
+            assert warn_if_adaptive(optimizer, "the hook")
+        said = [r.getMessage() for r in caplog.records]
+        assert len(said) == 1 and f"into {name}," in said[0], said
+
+
 def _summing(rank: int, world: int) -> list[list[str]]:
     """Build a SharedOptimizer summing by choice, then one summing by default: what each
     logged."""

@@ -33,26 +33,33 @@ def warn_once(logger: logging.Logger, key: str, message: str) -> None:
         logger.warning(message)
 
 
-def is_adaptive(optimizer: object) -> bool:
-    """Whether ``optimizer`` rescales each element: a class of :data:`ADAPTIVE_OPTIMIZERS` or a
-    subclass, or any class named "...Adam..." (``FusedAdam``, ``AdamW8bit``). Wrappers that
-    hold the optimizer (accelerate's ``.optimizer``, Lightning's ``._optimizer``) are looked
-    through."""
+def _unwrapped(optimizer: object) -> object:
+    """The optimizer inside accelerate's (``.optimizer``) or Lightning's (``._optimizer``)
+    wrappers, or ``optimizer`` itself."""
     for _ in range(8):
         wrapped = getattr(optimizer, "optimizer", None) or getattr(optimizer, "_optimizer", None)
         if not isinstance(wrapped, torch.optim.Optimizer):
             break
         optimizer = wrapped
-    names = [cls.__name__ for cls in type(optimizer).__mro__]
+    return optimizer
+
+
+def is_adaptive(optimizer: object) -> bool:
+    """Whether ``optimizer`` rescales each element: a class of :data:`ADAPTIVE_OPTIMIZERS` or a
+    subclass, or any class named "...Adam..." (``FusedAdam``, ``AdamW8bit``). Wrappers that
+    hold the optimizer (accelerate's ``.optimizer``, Lightning's ``._optimizer``) are looked
+    through."""
+    names = [cls.__name__ for cls in type(_unwrapped(optimizer)).__mro__]
     return any(n in ADAPTIVE_OPTIMIZERS or "adam" in n.lower() for n in names)
 
 
 def warn_if_adaptive(optimizer: object, where: str) -> bool:
-    """Warn once when the hook (gradients shared) runs with an adaptive optimizer, where
-    sharing updates trains better. Returns whether ``optimizer`` is one."""
-    name = type(optimizer).__name__
-    if name not in ADAPTIVE_OPTIMIZERS:
+    """Warn once when the hook (gradients shared) runs with an adaptive optimizer
+    (:func:`is_adaptive`: subclasses and wrapped ones too), where sharing updates trains
+    better. Returns whether ``optimizer`` is one."""
+    if not is_adaptive(optimizer):
         return False
+    name = type(_unwrapped(optimizer)).__name__
     warn_once(
         logging.getLogger(__name__), "hook-adaptive",
         f"{where} shares gradients (the hook) into {name}, which rescales every element by "
