@@ -4,6 +4,7 @@
     python examples/hf_trainer.py --share updates     # SharedOptimizer around Trainer's AdamW
     python examples/hf_trainer.py --share local --steps 40 --save-steps 20 --output-dir out
     python examples/hf_trainer.py --share local --steps 40 --resume out/checkpoint-20
+    python examples/hf_trainer.py --share local --overlap 2   # each exchange behind 2 steps
 
 An ordinary Trainer script; the one added line is ``GradshareCallback(share=...).attach(
 trainer)``. The model is GPT-2 built from ``GPT2Config`` (2 layers, 64 wide: nothing is

@@ -7,7 +7,9 @@
 An ordinary LightningModule; the one change is ``strategy=GradshareDDPStrategy(...)``
 (``--share updates``: ``SharedOptimizer`` shares the optimizer's updates instead;
 ``--share local``: no all-reduce at all, each rank steps its own replica and ``LocalSteps``
-syncs the replicas every ``--sync-every`` steps with sparse messages). The learning rate
+syncs the replicas every ``--sync-every`` steps with sparse messages; ``--overlap τ``
+runs each sync's exchange behind the next τ steps, ``--fragments P`` syncs the model a P-th at
+a time). The learning rate
 warms up over the first :data:`WARMUP_STEPS` steps, set in ``optimizer_step`` as Lightning's
 docs show. Run as
 a plain script, Lightning's ``ddp`` launcher starts the script again once per extra device
