@@ -379,6 +379,23 @@ def test_fragments_are_the_streaming_recurrence(tau: int) -> None:
     assert runs[0]["syncs"] == 9 and runs[0]["sent"] == 4 * (4 * sizes[0] + 5 * sizes[1])
 
 
+def _poison(
+    inner: torch.optim.Optimizer, param: torch.Tensor, index: tuple[int, ...], here: bool
+) -> list:
+    """On this rank (``here``): once the returned list is not empty, ``param[index]`` turns
+    NaN after each inner step, before LocalSteps' hook (registered before it) sees it."""
+    armed: list = []
+
+    def poison(*_: object) -> None:
+        if armed:
+            with torch.no_grad():
+                param[index] = float("nan")
+
+    if here:
+        inner.register_step_post_hook(poison)
+    return armed
+
+
 def _rank_refusals(rank: int, world: int) -> dict:
     """Settings and round mismatches, a NaN on one rank, a skipped GradScaler step."""
     out: dict = {}
@@ -395,15 +412,7 @@ def _rank_refusals(rank: int, world: int) -> dict:
     out["hooks_left"] = len(inner._optimizer_step_post_hooks)
     batches = toy_batches(8 * world)[rank::world]
     # a NaN in rank 1's parameters at the second sync, put there after its inner step
-    poisoned = []
-
-    def poison(*_: object) -> None:
-        if poisoned:
-            with torch.no_grad():
-                model[2].weight[0, 0] = float("nan")  # type: ignore[index]
-
-    if rank == 1:
-        inner.register_step_post_hook(poison)  # runs before LocalSteps' hook
+    poisoned = _poison(inner, model[2].weight, (0, 0), rank == 1)  # type: ignore[index]
     sync = LocalSteps(model, inner, sync_every=2, timeout=20)
     _train(model, inner, batches[:2])
     before = [g.clone() for g in sync.global_params]
@@ -460,12 +469,36 @@ def _rank_grad_scaler(rank: int, world: int) -> dict:
     return {"hashes": hashes, "syncs": sync.syncs, "stepped": len(stepped), "steps": sync.steps}
 
 
+def _rank_float64(rank: int, world: int) -> dict:
+    """A float64 model (Δ then goes through float32, off the one-pass kernel): a dense sync
+    with outer SGD lr 1, then a NaN on rank 1 at the next sync."""
+    model = toy_model(seed=rank).double()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    locals_: list = []
+    inner.register_step_post_hook(_recorder(model, locals_))  # runs before LocalSteps' hook
+    armed = _poison(inner, model[0].bias, (1,), rank == 1)  # type: ignore[index]
+    sync = LocalSteps(model, inner, sync_every=2, dense=True, timeout=20,
+                      outer_optimizer=lambda p: torch.optim.SGD(p, lr=1.0))  # fmt: skip
+    batches = [(x.double(), y) for x, y in toy_batches(4 * world, seed=5)[rank::world]]
+    _train(model, inner, batches[:2])  # the second step ends with the sync
+    out: dict = {"local": locals_[1], "after": flat(model)}
+    _train(model, inner, batches[2:3])
+    armed.append(True)  # rank 1's bias turns NaN after its 4th step, at the sync
+    try:
+        _train(model, inner, batches[3:4])
+    except ValueError as e:
+        out["nan"] = str(e)
+    sync.close()
+    return out
+
+
 def _rank_two(rank: int, world: int, tmp: str) -> dict:
     """What needs 2 healthy ranks, in one world (each spawned process costs seconds of
     imports): the refusals, the grad scaler, and the first half of the resume test."""
     return {
         **_rank_refusals(rank, world),
         "scaler": _rank_grad_scaler(rank, world),
+        "float64": _rank_float64(rank, world),
         **{
             f"whole {tau} {parts}": _rank_resume(rank, world, tmp, "whole", tau, parts)
             for tau, parts in RESUMES
@@ -513,6 +546,20 @@ class TestRefusals:
         msg = results[0]["rounds"]
         assert msg == results[1]["rounds"]
         assert "`round` 1 on rank 0, 5 on rank 1" in msg
+
+
+def test_a_float64_model_syncs_and_its_nan_is_named(refusals: list[dict]) -> None:
+    """The Δ of a parameter that is not float32 is computed in float32 and counted for
+    non-finite values apart from the one-pass kernel: the dense sync still lands on the mean
+    of the replicas (to float32's rounding), and a NaN names its parameter on both ranks."""
+    runs = [r["float64"] for r in refusals]
+    mean = sum(r["local"] for r in runs) / len(runs)
+    for r in runs:
+        assert r["after"].dtype == torch.float64
+        torch.testing.assert_close(r["after"], mean, rtol=1e-6, atol=1e-6)
+    assert torch.equal(runs[0]["after"], runs[1]["after"])
+    assert runs[0]["nan"] == runs[1]["nan"]
+    assert "rank 1 in parameter '0.bias'" in runs[0]["nan"], runs[0]["nan"]
 
 
 def test_grad_scaler_skipped_step_still_syncs_in_step(refusals: list[dict]) -> None:
