@@ -146,30 +146,19 @@ def count_nonfinite(x: torch.Tensor) -> int:
 
 
 def take_update_(
-    before: torch.Tensor, after: torch.Tensor, out: torch.Tensor, restore: bool
-) -> int:
-    """``out = before - after`` (and ``after = before`` with ``restore``); non-finite count."""
-    if on_kernels(before) and before.numel():
-        counts = np.zeros(kernels().num_chunks(before.numel()), np.int64)
-        b = array(before)
-        launch("take_update", b, b, False, array(after), array(out), restore, counts)
-        return int(counts.sum())
-    return _torch_paths.take_update_(before, after, out, restore)
-
-
-def subtract_(
-    before: torch.Tensor, plus: torch.Tensor | None, after: torch.Tensor, out: torch.Tensor
-) -> int:
-    """``out = (before + plus) - after`` (``before - after`` without ``plus``); non-finite
-    count."""
+    before: torch.Tensor, after: torch.Tensor, out: torch.Tensor, restore: bool,
+    plus: torch.Tensor | None = None,
+) -> int:  # fmt: skip
+    """``out = (before + plus) - after`` (``before - after`` without ``plus``; then
+    ``after = before`` with ``restore``); non-finite count of ``out``."""
     if on_kernels(before) and before.numel():
         counts = np.zeros(kernels().num_chunks(before.numel()), np.int64)
         b = array(before)
         extra = b if plus is None else array(plus)
-        launch("take_update", b, extra, plus is not None, array(after), array(out), False,
+        launch("take_update", b, extra, plus is not None, array(after), array(out), restore,
                counts)  # fmt: skip
         return int(counts.sum())
-    return _torch_paths.subtract_(before, plus, after, out)
+    return _torch_paths.take_update_(before, after, out, restore, plus)
 
 
 def scale_keeping_(x: torch.Tensor, factor: float, backup: torch.Tensor) -> None:

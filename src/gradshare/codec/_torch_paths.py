@@ -62,24 +62,17 @@ def count_nonfinite(x: torch.Tensor) -> int:
 
 
 def take_update_(
-    before: torch.Tensor, after: torch.Tensor, out: torch.Tensor, restore: bool
-) -> int:
-    """``out = before - after`` (and ``after = before`` with ``restore``); non-finite count."""
-    torch.sub(before, after, out=out)
-    if restore:
-        after.copy_(before)
-    return count_nonfinite(out)
-
-
-def subtract_(
-    before: torch.Tensor, plus: torch.Tensor | None, after: torch.Tensor, out: torch.Tensor
-) -> int:
-    """``out = (before + plus) - after`` (``before - after`` without ``plus``); non-finite
-    count."""
+    before: torch.Tensor, after: torch.Tensor, out: torch.Tensor, restore: bool,
+    plus: torch.Tensor | None = None,
+) -> int:  # fmt: skip
+    """``out = (before + plus) - after`` (``before - after`` without ``plus``; then
+    ``after = before`` with ``restore``); non-finite count of ``out``."""
     if plus is None:
         torch.sub(before, after, out=out)
     else:
         torch.add(before, plus, out=out).sub_(after)
+    if restore:
+        after.copy_(before)
     return count_nonfinite(out)
 
 

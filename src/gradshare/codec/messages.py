@@ -289,7 +289,7 @@ def subtract_(
                 f"Expect `{name}` like `before` ({before.dtype}, {tuple(before.shape)}, "
                 f"{before.device}), got {x.dtype}, {tuple(x.shape)}, {x.device}."
             )
-    return _dispatch.subtract_(before, plus, after, out)
+    return _dispatch.take_update_(before, after, out, False, plus)
 
 
 def scale_keeping_(x: torch.Tensor, factor: float, backup: torch.Tensor) -> None:

@@ -591,7 +591,7 @@ class LocalSteps:
                     torch.sub(b, local, out=d)
                 else:
                     torch.add(start, b, out=d).sub_(local)
-                nonfinite = int((~torch.isfinite(d)).sum())
+                nonfinite = codec.find_nonfinite(d)[0]
             if bad < 0 and nonfinite:
                 bad = i
         return bad

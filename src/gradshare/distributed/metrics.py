@@ -82,9 +82,10 @@ def share_metrics(
     (the stats of the step before a resume are not saved): not known yet, not dense."""
     last = [s for s in stats if s is not None]
     numel = sum(s.dense_bytes for s in last) // 4
-    unknown = math.nan if encoded else None
-    density = sum(s.entries for s in last) / numel if numel else (unknown or 1.0)
-    threshold = sum(s.threshold for s in last) / len(last) if last else (unknown or 0.0)
+    density = sum(s.entries for s in last) / numel if numel else (math.nan if encoded else 1.0)
+    threshold = (
+        sum(s.threshold for s in last) / len(last) if last else (math.nan if encoded else 0.0)
+    )
     return {
         "bytes_sent": float(bytes_sent),
         "dense_bytes": float(dense_bytes),
