@@ -1066,9 +1066,9 @@ def _check_arguments(
             f"steps each sync's exchange runs in the background), got {overlap!r}: pass e.g. "
             "overlap=2, or overlap=True to merge at the next sync."
         )
-    if not any(True for _ in model.parameters()):
-        raise ValueError("Expect a model with parameters: there is nothing to sync.")
     count = sum(1 for _ in model.parameters())
+    if not count:
+        raise ValueError("Expect a model with parameters: there is nothing to sync.")
     if (
         isinstance(fragments, bool)
         or not isinstance(fragments, int)
