@@ -24,7 +24,7 @@ with the settings a user gets by default:
   sync_every=10)`` with its defaults, with ``overlap=True`` (merged at the next sync) and
   with ``overlap=τ`` (merged τ steps after its sync; τ 1, 2 or 5), ``local-f5-overlap{τ}``
   with ``fragments=5`` too (each fifth of the model synced in turn), ``local-d2-f5-overlap2``
-  with ``density=0.02`` too (no DDP); timed over
+  with ``density=0.02`` too, ``-c`` after any of them with ``compact=True`` (no DDP); timed over
   whole rounds of 10 steps, each ending with its sync, after one untimed round;
   ``ms/step`` is their mean, not the median;
 
@@ -88,8 +88,11 @@ METHODS = ["compute", "dense", "fp16", "powersgd-1", "powersgd-4", "hook", "hook
            "local", "local-overlap", "local-overlap1", "local-overlap2",
            "local-overlap5", "local-f5-overlap2", "local-f5-overlap1",
            "local-d2-f5-overlap2"]  # fmt: skip
-LOCAL_METHOD = re.compile(r"^local(-d(?P<pct>[\d.]+))?(-f(?P<frags>\d+))?(-overlap(?P<tau>\d+)?)?$")
-"""``local[-d{pct}][-f{p}][-overlap[τ]]``: density pct %, p fragments, overlap τ (True bare)."""
+LOCAL_METHOD = re.compile(
+    r"^local(-d(?P<pct>[\d.]+))?(-f(?P<frags>\d+))?(-overlap(?P<tau>\d+)?)?(?P<compact>-c)?$"
+)
+"""``local[-d{pct}][-f{p}][-overlap[τ]][-c]``: density pct %, p fragments, overlap τ (True
+bare), compact messages."""
 LOCAL_H = 10
 """``sync_every`` of the ``local`` methods."""
 MODELS = ["gpt", "square"]
@@ -178,7 +181,8 @@ def _method(method: str, rank: int, world: int, model: str, numel: int, steps: i
         overlap = (int(m["tau"]) if m["tau"] else True) if "-overlap" in method else False
         extra = {"density": float(m["pct"]) / 100} if m["pct"] else {}
         local = gradshare.LocalSteps(net, opt, sync_every=LOCAL_H, overlap=overlap,
-                                     fragments=int(m["frags"] or 1), **extra)  # fmt: skip
+                                     fragments=int(m["frags"] or 1), compact=bool(m["compact"]),
+                                     **extra)  # fmt: skip
     sent0 = [0]
 
     def step(i: int) -> None:
@@ -210,7 +214,8 @@ def _method(method: str, rank: int, world: int, model: str, numel: int, steps: i
         sent = float(powersgd_bytes(net, int(method.split("-")[1])))
     elif local is not None:  # bytes of the rounds whose exchange completed while timed
         sent = (local.bytes_sent - sent0[0]) / len(times)
-        density = max(sent * LOCAL_H / 4 - 4 * len(params), 0) / n
+        if not local.compact:  # DL4J's: 4 bytes per entry
+            density = max(sent * LOCAL_H / 4 - 4 * len(params), 0) / n
     else:
         total = state.bytes_sent if state is not None else opt.bytes_sent  # type: ignore[attr-defined]
         sent = (total - sent0[0]) / len(times)

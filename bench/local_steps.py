@@ -47,14 +47,17 @@ Methods:
 * ``-overlap`` (after any ``local`` method): ``overlap=True``, merged at the next sync;
   ``-overlap{τ}``: ``overlap=τ``, merged τ inner steps after its sync; ``-f{p}`` before it
   sets ``fragments=p`` (Streaming DiLoCo's fragments, synced in turn).
+* ``-c`` (last, after any ``local`` method): ``compact=True``, sparse pieces in their compact
+  form (a byte per entry plus escapes): the same run bit for bit, fewer bytes.
 * ``shared-ddp``: ``SharedOptimizer(opt, threshold=QuantileThreshold(0.01), ddp=net)`` (as
   ``bench/workloads.py``'s ``shared-ddp-1%``): the best every-step gradshare path.
 
 Bytes are what one rank sent (``bytes_sent`` of gradshare's objects; 4 per element and
 all-reduce for DDP and model averaging). ``compression`` = 4 x numel x steps / bytes (vs dense
 DDP over the same steps). gradshare sends 32 bits per entry (DL4J's format; plus per-tensor
-headers); ``x@14bit`` is what the same entries would give at SparseLoCo's 14 bits per entry
-(12-bit chunk index + 2-bit value): compression x 32 / 14, an upper bound (headers ignored).
+headers; ``-c``: the compact form's ~8-9 bits); ``x@14bit`` is what the same entries would
+give at SparseLoCo's 14 bits per entry (12-bit chunk index + 2-bit value): compression x 32 /
+14, an upper bound (headers ignored; not for ``-c`` rows).
 ``identical``: the ranks' parameters are bit-identical at the end (all-gathered and compared).
 
 Results go to ``--out`` (JSON, written after every run, so a killed job keeps what it ran;
@@ -96,7 +99,7 @@ METHOD = re.compile(
     r"^(?P<kind>local|diloco-dense|postlocal|torchft)(-H(?P<h>\d+))?(-d(?P<pct>[\d.]+))?"
     r"(-lr(?P<lr>[\d.]+))?(-b(?P<beta>[\d.]+))?(-w(?P<warmup>\d+))?(?P<mean>-mean)?"
     r"(?P<nesterov>-nesterov)?(-m(?P<momentum>[\d.]+))?(-f(?P<frags>\d+))?"
-    r"(?P<overlap>-overlap(?P<tau>\d+)?)?$"
+    r"(?P<overlap>-overlap(?P<tau>\d+)?)?(?P<compact>-c)?$"
 )
 _TORCHFT_RUNS = itertools.count()
 """torchft runs in this rank so far: each run's replicas join the lighthouse under new ids."""
@@ -172,6 +175,8 @@ def build(name: str, model: nn.Module, opt: torch.optim.Optimizer, steps: int) -
             kwargs["overlap"] = int(m["tau"]) if m["tau"] else True
         if m["frags"]:
             kwargs["fragments"] = int(m["frags"])
+        if m["compact"]:
+            kwargs["compact"] = True
     sync = gradshare.LocalSteps(model, opt, sync_every=h, **kwargs)
     outer = sync.outer.param_groups[0]
     settings = {"sync_every": h, "density": sync.density, "decay": sync.decay,
@@ -336,7 +341,7 @@ def rows(runs: list[dict]) -> list[Row]:
                 vs = mean - statistics.mean(d) if higher else mean / statistics.mean(d)
             sent = statistics.mean(r["bytes"] for r in rs)
             comp = statistics.mean(r["dense"] for r in rs) / sent
-            gradshare = m.startswith(("local", "shared"))
+            gradshare = m.startswith(("local", "shared")) and not m.endswith("-c")
             out.append(Row(*cfg, m, mean, statistics.stdev(vals) if len(vals) > 1 else 0.0, vs,
                            sent, comp, comp * 32 / 14 if gradshare else None,
                            all(r["identical"] for r in rs),

@@ -63,7 +63,7 @@ def build(args: argparse.Namespace, output_dir: Path) -> Trainer:
         ddp_find_unused_parameters=False,
     )
     trainer = Trainer(model=GPT2LMHeadModel(config), args=training, train_dataset=data)
-    local = {"overlap": args.overlap or False, "fragments": args.fragments}
+    local = {"overlap": args.overlap or False, "fragments": args.fragments, "compact": args.compact}
     GradshareCallback(share=args.share, sync_every=5, **local).attach(trainer)  # the gradshare line
     return trainer
 
@@ -92,6 +92,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--fragments", type=int, default=1,
                         help="--share local: parts of the model synced in turn")  # fmt: skip
+    parser.add_argument("--compact", action="store_true",
+                        help="--share local: sparse messages in their compact form")  # fmt: skip
     parser.add_argument("--lr", type=float, help="default: 0.3 (SGD, hook), 3e-3 (AdamW)")
     parser.add_argument("--save-steps", type=int, help="save a checkpoint every this many steps")
     parser.add_argument("--output-dir", type=Path, default=Path("hf_trainer_out"))

@@ -9,7 +9,7 @@ An ordinary LightningModule; the one change is ``strategy=GradshareDDPStrategy(.
 ``--share local``: no all-reduce at all, each rank steps its own replica and ``LocalSteps``
 syncs the replicas every ``--sync-every`` steps with sparse messages; ``--overlap τ``
 runs each sync's exchange behind the next τ steps, ``--fragments P`` syncs the model a P-th at
-a time). The learning rate
+a time, ``--compact`` sends its sparse messages in a byte per entry). The learning rate
 warms up over the first :data:`WARMUP_STEPS` steps, set in ``optimizer_step`` as Lightning's
 docs show. Run as
 a plain script, Lightning's ``ddp`` launcher starts the script again once per extra device
@@ -110,6 +110,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--fragments", type=int, default=1,
                         help="--share local: parts of the model synced in turn")  # fmt: skip
+    parser.add_argument("--compact", action="store_true",
+                        help="--share local: sparse messages in their compact form")  # fmt: skip
     parser.add_argument("--checkpoint-dir", type=Path, help="save a checkpoint every epoch")
     parser.add_argument("--resume", type=Path, help="a checkpoint to resume the fit from")
     parser.add_argument("--out", type=Path, help="write the final flat parameters here")
@@ -123,7 +125,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.share == "local":  # LocalSteps' own threshold: a quantile of each sync's moves
         sharing: dict[str, Any] = {"sync_every": args.sync_every,
                                    "overlap": args.overlap or False,
-                                   "fragments": args.fragments}  # fmt: skip
+                                   "fragments": args.fragments,
+                                   "compact": args.compact}  # fmt: skip
     else:
         sharing = {"threshold": AdaptiveThreshold(args.threshold)}
     strategy = GradshareDDPStrategy(

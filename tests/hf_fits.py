@@ -2,9 +2,9 @@
 process spends seconds of CPU importing transformers, more than a run of the example takes,
 so ``tests/test_hf_trainer.py`` runs the four paths in one launch rather than four.
 
-For ``--share`` hook, updates, local, and local with ``--overlap 2`` in turn: 10 steps straight
-through, saving at step 5, then resumed from ``checkpoint-5`` with a fresh model and Trainer
-(``--check-resume 5``), into ``TMP/{path}/out``, the parameters into
+For ``--share`` hook, updates, local, and local with ``--overlap 2 --compact`` in turn: 10
+steps straight through, saving at step 5, then resumed from ``checkpoint-5`` with a fresh
+model and Trainer (``--check-resume 5``), into ``TMP/{path}/out``, the parameters into
 ``TMP/{path}/straight.pt``.
 
     python -m torch.distributed.run --standalone --nproc_per_node=2 tests/hf_fits.py TMP
@@ -29,7 +29,7 @@ PATHS = {
     "hook": ["--share", "hook"],
     "updates": ["--share", "updates"],
     "local": ["--share", "local"],
-    "local-overlap": ["--share", "local", "--overlap", "2"],
+    "local-overlap": ["--share", "local", "--overlap", "2", "--compact"],
 }
 """Each path's options, by name (local with overlap: checkpoint-5 holds a round in flight;
 every fragment at once, so the replicas are bit-identical at the end, as the example checks)."""

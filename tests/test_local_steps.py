@@ -26,7 +26,7 @@ from gradshare.distributed.local_steps import (
 )
 from gradshare.encoding.encoder import Encoder
 
-from toys import flat, toy_batches, toy_model
+from toys import flat, mlp, toy_batches, toy_model
 from world import pooled, spawn
 
 
@@ -60,13 +60,18 @@ def _decoded(message: torch.Tensor | None, numel: int) -> torch.Tensor:
 
 
 def _rank_laws(rank: int, world: int) -> dict:
-    """Encoded syncs with β = 1 and β = 0.9, and dense syncs, on one world."""
+    """Encoded syncs with β = 1 and β = 0.9 (in DL4J's messages and in compact ones), and
+    dense syncs, on one world."""
     out: dict = {}
     batches = toy_batches(6 * world, seed=1)[rank::world]
-    for decay in (1.0, 0.9):
-        model = toy_model(seed=rank)  # different on purpose: rank 0's must win
+    for key, decay, compact in ((1.0, 1.0, False), (0.9, 0.9, False), ("wide", 0.9, False),
+                                ("compact", 0.9, True)):  # fmt: skip
+        # rank 0's model must win; a wider one has pieces long enough to compact
+        model = (
+            mlp(10, 3, hidden=96, seed=rank) if key in ("wide", "compact") else toy_model(seed=rank)
+        )
         inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        sync = LocalSteps(model, inner, sync_every=2, decay=decay)
+        sync = LocalSteps(model, inner, sync_every=2, decay=decay, compact=compact)
         logs: list[list] = [[] for _ in sync.encoders]
         for enc, log in zip(sync.encoders, logs, strict=True):
             _record(enc, log)
@@ -79,8 +84,8 @@ def _rank_laws(rank: int, world: int) -> dict:
                 g = torch.cat([t.reshape(-1) for t in sync.global_params])
                 assert torch.equal(g, flat(model))
         assert sync.syncs == 3 and sync.dense_bytes == 3 * 4 * sync.numel
-        out[decay] = {"hashes": hashes, "logs": logs, "residuals": residuals,
-                      "bytes": sync.bytes_sent}  # fmt: skip
+        out[key] = {"hashes": hashes, "logs": logs, "residuals": residuals,
+                    "bytes": sync.bytes_sent}  # fmt: skip
         sync.close()
     # dense, outer SGD lr 1: every sync leaves every replica at the mean of the replicas
     model = toy_model(seed=rank)
@@ -146,14 +151,28 @@ class TestSyncLaws:
 
     def test_bytes_sent_are_the_message_words(self, results: list[dict]) -> None:
         for r in results:
-            for decay in (1.0, 0.9):
-                logs = r[decay]["logs"]
+            for key in (1.0, 0.9, "compact"):
+                logs = r[key]["logs"]
+                form = codec.compact if key == "compact" else lambda m: m
                 want = 0
                 for k in range(3):
                     pieces = [log[k][1] for log in logs]
                     if any(m is not None for m in pieces):
-                        want += 4 * sum(4 if m is None else m.numel() for m in pieces)
-                assert r[decay]["bytes"] == want > 0
+                        want += 4 * sum(4 if m is None else form(m).numel() for m in pieces)
+                assert r[key]["bytes"] == want > 0
+
+    def test_compact_messages_change_the_bytes_alone(self, results: list[dict]) -> None:
+        """compact=True: the same messages, residuals and replicas as DL4J's format, bit for
+        bit, in fewer bytes (every piece here crosses into its compact form)."""
+        for r in results:
+            small, dl4j = r["compact"], r["wide"]
+            assert all(
+                torch.equal(a, b) for a, b in zip(small["hashes"], dl4j["hashes"], strict=True)
+            )
+            for got, want in zip(small["logs"], dl4j["logs"], strict=True):
+                assert all(torch.equal(a[1], b[1]) for a, b in zip(got, want, strict=True)
+                           if a[1] is not None or b[1] is not None)  # fmt: skip
+            assert small["bytes"] < 0.6 * dl4j["bytes"]
 
     def test_default_outer_optimizer_follows_the_inner_one(self, results: list[dict]) -> None:
         """Plain SGD without momentum: lr 2.8 after AdamW, 1.4 after momentum SGD."""
@@ -729,6 +748,7 @@ def test_bad_arguments_are_refused_naming_the_fix() -> None:
         ({"decay": -0.1}, ValueError, r"`decay` in \[0, 1\]"),
         ({"overlap": "yes"}, TypeError, "`overlap` to be a bool or an int in"),
         ({"overlap": 3}, ValueError, r"`overlap` to be a bool or an int in \[0, sync_every=2\]"),
+        ({"compact": 1}, TypeError, "`compact` True or False"),
         ({"fragments": 0}, ValueError, "`fragments` to be an int from 1 to 2"),
         ({"fragments": 3}, ValueError, "`fragments` to be an int from 1 to 2"),
         (

@@ -107,6 +107,7 @@ def test_command_line_is_built_from_train_config() -> None:
     assert options["optimizer"]["choices"] == tuple(train.OPTIMIZERS)
     assert options["lr"]["help"].startswith("Learning rate of each worker.")
     assert options["batch_size"]["type"] is int
+    assert cli.build_parser().parse_args(["train", "--compact"]).compact is True
 
 
 @pytest.mark.parametrize(

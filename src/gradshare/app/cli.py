@@ -200,6 +200,8 @@ def _config_options() -> dict[str, dict[str, Any]]:
             option["choices"] = typing.get_args(kind)
         elif kind in (int, float):
             option["type"] = kind
+        elif kind is bool:  # --name / --no-name
+            option["action"] = argparse.BooleanOptionalAction
         options[f.name] = option
     return options
 

@@ -140,6 +140,8 @@ class TrainConfig:
     """Inner steps between the syncs of the local-steps run (0: no such run)."""
     density: float = 0.04
     """Fraction of each parameter a local-steps sync sends, in (0, 1/16), or 1.0 (dense)."""
+    compact: bool = False
+    """Send the local-steps syncs' sparse pieces in their compact form (a byte per entry)."""
     runs: tuple[str, ...] = ("dense", "gradshare", "local-steps")
     """Which runs, in order (not an option: the command runs all three)."""
 
@@ -379,7 +381,7 @@ def _train_local(
     # against 0.94 dense)
     sync = LocalSteps(
         model, inner, config.local_steps, density=config.density, reduction="sum",
-        outer_optimizer=lambda p: torch.optim.SGD(p, lr=OUTER_LR),
+        compact=config.compact, outer_optimizer=lambda p: torch.optim.SGD(p, lr=OUTER_LR),
     )  # fmt: skip
     with sync:
         for epoch in range(config.epochs):

@@ -17,15 +17,21 @@ FLEXIBLE_ENCODING = 0
 """Format id of a sparse message (signed 1-based indices)."""
 BITMAP_ENCODING = 1
 """Format id of a bitmap message (2 bits per element)."""
+COMPACT_ENCODING = 2
+"""Format id of a compact sparse message (gaps in bytes; gradshare's option, not DL4J's)."""
 HEADER_WORDS = 4
 MAX_NUMEL = 2**31 - 1
 """Largest N a message can address: indices are signed int32 ``±(i+1)``."""
-FORMAT_NAMES = {FLEXIBLE_ENCODING: "sparse", BITMAP_ENCODING: "bitmap"}
+FORMAT_NAMES = {FLEXIBLE_ENCODING: "sparse", BITMAP_ENCODING: "bitmap", COMPACT_ENCODING: "compact"}
 
 F32 = struct.Struct("<f")
 I32 = struct.Struct("<i")
 F32_TINY = float(np.finfo(np.float32).tiny)
 F32_MAX = float(np.finfo(np.float32).max)
+
+
+class MessageError(ValueError):
+    """A message that is not a valid gradshare/DL4J message for its target."""
 
 
 def sparse_length(num_entries: int) -> int:

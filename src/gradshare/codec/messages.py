@@ -47,11 +47,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from gradshare.codec import _dispatch
+from gradshare.codec import _dispatch, compact_form
 from gradshare.codec._dispatch import kernels_enabled, use_kernels
 from gradshare.codec._dispatch import serial_kernels as serial_kernels
 from gradshare.codec._format import (
     BITMAP_ENCODING,
+    COMPACT_ENCODING,
     F32,
     F32_MAX,
     F32_TINY,
@@ -60,6 +61,7 @@ from gradshare.codec._format import (
     HEADER_WORDS,
     MAGNITUDES,
     MAX_NUMEL,
+    MessageError,
     bitmap_length,
     bits_threshold,
     mean_magnitude,
@@ -70,6 +72,7 @@ from gradshare.codec._workspace import thread_workspace
 
 __all__ = [
     "BITMAP_ENCODING",
+    "COMPACT_ENCODING",
     "FLEXIBLE_ENCODING",
     "HEADER_WORDS",
     "MAGNITUDES",
@@ -97,18 +100,14 @@ __all__ = [
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-class MessageError(ValueError):
-    """A message that is not a valid gradshare/DL4J message for its target."""
-
-
 @dataclass(frozen=True, slots=True)
 class MessageInfo:
     """What a message's header (and, for a bitmap, its payload) says."""
 
     format: int
-    """``FLEXIBLE_ENCODING`` or ``BITMAP_ENCODING``."""
+    """``FLEXIBLE_ENCODING``, ``BITMAP_ENCODING`` or ``COMPACT_ENCODING``."""
     num_entries: int
-    """Elements the message moves: K for sparse, set 2-bit codes for bitmap."""
+    """Elements the message moves: K for sparse and compact, set 2-bit codes for bitmap."""
     numel: int
     """N, the length of the vector it encodes."""
     threshold: float
@@ -385,10 +384,10 @@ def _check_message(message: Any) -> list[int]:
 def _parse_header(header: list[int], length: int) -> tuple[int, int, float]:
     """Return (format, entries-or-N, t) after checking the header against the length."""
     first, numel, bits, fmt = header
-    if fmt not in FORMAT_NAMES:
+    if fmt not in FORMAT_NAMES or fmt == COMPACT_ENCODING:  # a compact one is expanded first
         raise MessageError(
-            f"Unknown format id {fmt} in word 3: expect {FLEXIBLE_ENCODING} (sparse) "
-            f"or {BITMAP_ENCODING} (bitmap)."
+            f"Unknown format id {fmt} in word 3: expect {FLEXIBLE_ENCODING} (sparse), "
+            f"{BITMAP_ENCODING} (bitmap) or {COMPACT_ENCODING} (compact)."
         )
     t = bits_threshold(bits)
     if not (math.isfinite(t) and t > 0):
@@ -415,6 +414,10 @@ def _parse_header(header: list[int], length: int) -> tuple[int, int, float]:
 def message_info(message: torch.Tensor) -> MessageInfo:
     """Read a message's header (and count a bitmap's entries) after checking it is well formed."""
     header = _check_message(message)
+    if header[3] == COMPACT_ENCODING:
+        compact_form.expand(message, header[1])  # validated whole
+        return MessageInfo(COMPACT_ENCODING, header[0], header[1],
+                           bits_threshold(header[2]), message.numel() * 4)  # fmt: skip
     fmt, first, t = _parse_header(header, message.numel())
     numel = header[1]
     if fmt == FLEXIBLE_ENCODING:
@@ -460,7 +463,21 @@ def check_message(message: torch.Tensor, numel: int) -> None:
     Raises:
         MessageError: naming the first fault found.
     """
-    _validate(message, numel)
+    _validate(_sparse_form(message, numel), numel)
+
+
+def _sparse_form(message: Any, numel: int) -> Any:
+    """A compact ``message`` expanded into the sparse one it stands for (validated whole, for
+    a vector of ``numel`` elements); any other as it is."""
+    if (
+        isinstance(message, torch.Tensor)
+        and message.dtype == torch.int32
+        and message.dim() == 1
+        and message.numel() > HEADER_WORDS
+        and int(message[3]) == COMPACT_ENCODING
+    ):
+        return compact_form.expand(message.contiguous(), numel)
+    return message
 
 
 def _validate(message: Any, numel: int) -> tuple[int, float]:
@@ -495,13 +512,14 @@ def decode_(message: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """
     check_vector(target, "target")
     check_no_overlap(message, target, "the message", "target")
-    if _dispatch.decode_small(message, target):  # a small sparse message: checked and added
-        return target
     if isinstance(message, torch.Tensor) and message.device != target.device:
         raise MessageError(
             f"Expect the message and `target` on one device, got {message.device} and "
             f"{target.device}: move the message with `.to(target.device)`."
         )
+    message = _sparse_form(message, target.numel())
+    if _dispatch.decode_small(message, target):  # a small sparse message: checked and added
+        return target
     fmt, t = _validate(message, target.numel())
     if fmt == FLEXIBLE_ENCODING:
         _dispatch.apply_sparse_(message[HEADER_WORDS:], t, target)
@@ -597,6 +615,8 @@ def _sum_(
                     f"Message from {name} encodes N = {n} elements, but the target has "
                     f"{numel}: it was made for another vector."
                 )
+            if fmt == COMPACT_ENCODING:
+                m, fmt = compact_form.expand(m, numel), FLEXIBLE_ENCODING
             present.append((m, fmt, bits_threshold(bits)))
             continue
         check_no_overlap(m, target, f"the message from {name}", target_name)
@@ -605,6 +625,7 @@ def _sum_(
         try:
             if isinstance(m, torch.Tensor) and m.device != target.device:
                 raise MessageError(f"it is on {m.device}, the target on {target.device}")
+            m = _sparse_form(m, numel)
             fmt, t = _validate(m, numel)
         except MessageError as e:
             raise MessageError(f"Message from {name} is invalid: {e}") from None

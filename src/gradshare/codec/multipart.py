@@ -4,8 +4,10 @@ The DDP hook sends one message per bucket and rank made of one piece per paramet
 :class:`~gradshare.LocalSteps` one per sync and rank made of one piece per parameter tensor.
 Every piece is a whole DL4J message for its own vector (docs/design.md §1); a vector that
 sends nothing in a multipart message that carries others puts an empty sparse header
-``[0, N, bits(t), 0]``. A receiver cuts the pieces by their headers and validates every one
-whole before anything is decoded.
+``[0, N, bits(t), 0]``. A sparse piece may travel in its compact form
+(:mod:`~gradshare.codec.compact_form`, when the sender opts in). A receiver cuts the pieces by
+their headers and validates every one whole before anything is decoded; a compact piece comes
+back as the sparse message it stands for.
 """
 
 from __future__ import annotations
@@ -18,11 +20,13 @@ import torch
 
 from gradshare.codec._format import (
     BITMAP_ENCODING,
+    COMPACT_ENCODING,
     FLEXIBLE_ENCODING,
     HEADER_WORDS,
     bitmap_length,
     sparse_length,
 )
+from gradshare.codec.compact_form import COMPACT_HEADER_WORDS, compact_length, expand
 from gradshare.codec.messages import MessageError, check_message
 
 __all__ = ["empty_message", "join_messages", "split_message"]
@@ -60,8 +64,8 @@ def split_message(
     message: torch.Tensor | None, sizes: Sequence[int], name: str, labels: Sequence[Any]
 ) -> list[torch.Tensor | None]:
     """Cut ``name``'s multipart message into one piece per vector by the pieces' headers and
-    validate each whole; None for a vector that sent nothing. ``labels[i]`` names vector i
-    in errors.
+    validate each whole; None for a vector that sent nothing, and a compact piece's sparse
+    message. ``labels[i]`` names vector i in errors.
 
     Raises:
         MessageError: a piece is invalid for its vector, runs past the message's end, or
@@ -87,6 +91,8 @@ def split_message(
             size = bitmap_length(n)
         elif fmt == FLEXIBLE_ENCODING and first >= 0:
             size = sparse_length(first)
+        elif fmt == COMPACT_ENCODING and pos + COMPACT_HEADER_WORDS <= length:
+            size = compact_length(max(int(words[pos + HEADER_WORDS]), 0))
         else:
             size = HEADER_WORDS  # check_message names the fault
         if pos + size > length:
@@ -96,7 +102,10 @@ def split_message(
             )
         piece = message[pos : pos + size]
         try:
-            check_message(piece, n)
+            if fmt == COMPACT_ENCODING:
+                piece = expand(piece, n)
+            else:
+                check_message(piece, n)
         except MessageError as e:
             raise MessageError(f"{where} is invalid: {e}") from None
         pieces.append(None if fmt == FLEXIBLE_ENCODING and first == 0 else piece)

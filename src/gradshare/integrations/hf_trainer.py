@@ -58,7 +58,7 @@ class GradshareCallback(TrainerCallback):
 
     Args:
         share: ``"hook"``, ``"updates"`` or ``"local"``.
-        sync_every, density, decay, outer_optimizer, overlap, fragments:
+        sync_every, density, decay, outer_optimizer, overlap, fragments, compact:
             :class:`~gradshare.LocalSteps`' (``share="local"``).
         start_iter, momentum: the hook's (:class:`~gradshare.ThresholdHookState`).
         resume_from: the folder holding ``checkpoint-N`` of a resumed run when it is not
@@ -81,6 +81,7 @@ class GradshareCallback(TrainerCallback):
         outer_optimizer: Any = None,
         overlap: bool | int = False,
         fragments: int = 1,
+        compact: bool = False,
         start_iter: int = 1,
         momentum: float = 0.0,
         resume_from: str | Path | None = None,
@@ -93,7 +94,7 @@ class GradshareCallback(TrainerCallback):
         self.options = encoding_options(options, encoding, "GradshareCallback")
         self._local = {"sync_every": sync_every, "density": density, "decay": decay,
                        "outer_optimizer": outer_optimizer, "overlap": overlap,
-                       "fragments": fragments}  # fmt: skip
+                       "fragments": fragments, "compact": compact}  # fmt: skip
         self._hook: dict[str, Any] = {"start_iter": start_iter, "momentum": momentum}
         self.resume_from = None if resume_from is None else Path(resume_from)
         self.trainer: Any = None

@@ -68,7 +68,7 @@ class GradshareDDPStrategy(DDPStrategy):
     Args:
         share: ``"gradients"`` (the hook), ``"updates"`` (SharedOptimizer) or ``"local"``
             (LocalSteps).
-        sync_every, density, decay, outer_optimizer, overlap, fragments:
+        sync_every, density, decay, outer_optimizer, overlap, fragments, compact:
             :class:`~gradshare.LocalSteps`' (``share="local"``).
         start_iter, momentum: the hook's (:class:`~gradshare.ThresholdHookState`).
         options: the encoding settings (:class:`~gradshare.EncodingOptions`), or give its
@@ -105,6 +105,7 @@ class GradshareDDPStrategy(DDPStrategy):
         outer_optimizer: Any = None,
         overlap: bool | int = False,
         fragments: int = 1,
+        compact: bool = False,
         start_iter: int = 1,
         momentum: float = 0.0,
         gradshare_timeout: float | timedelta | None = None,
@@ -136,6 +137,7 @@ class GradshareDDPStrategy(DDPStrategy):
             "outer_optimizer": outer_optimizer,
             "overlap": overlap,
             "fragments": fragments,
+            "compact": compact,
         }
         self.hook_state: ThresholdHookState | None = None
         self.local_steps: LocalSteps | None = None
