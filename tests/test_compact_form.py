@@ -14,11 +14,11 @@ from gradshare.codec import (
     COMPACT_ENCODING,
     FLEXIBLE_ENCODING,
     MessageError,
-    compact,
+    compact_message,
     decode_,
     decode_sum_,
     encode_sparse_,
-    expand,
+    expand_message,
     message_info,
 )
 from gradshare.codec.multipart import join_messages, split_message
@@ -48,22 +48,22 @@ class TestForm:
         index = [0, 127, 255, 509, 764, 937]
         signs = [1, -1, 1, 1, -1, 1]
         sparse = _sparse(2000, index, signs)
-        small = compact(sparse)
+        small = compact_message(sparse)
         assert small[:5].tolist() == [6, 2000, sparse[2].item(), COMPACT_ENCODING, 11]
         assert _payload(small) == [1, 127 | 128, 0, 1, 0, 127, 0, 0, 128 | 1, 0, 46]
         assert small.numel() == 5 + 3 and small[5:].view(torch.uint8)[11:].tolist() == [0]
-        assert torch.equal(expand(small, 2000), sparse)
+        assert torch.equal(expand_message(small, 2000), sparse)
 
     @pytest.mark.parametrize("density", [0.002, 0.0156, 0.04, 0.2, 1.0])
     def test_lossless_and_never_longer(self, density: float) -> None:
         sparse = _random_sparse(100_000, density, seed=int(density * 1e4))
-        small = compact(sparse)
+        small = compact_message(sparse)
         index = sparse[4:].abs().long()
         gaps = torch.diff(index, prepend=torch.zeros(1, dtype=torch.long))
         num_bytes = index.numel() + int(((gaps - 1) // 127).sum())  # an entry + its escapes
         if 5 + (num_bytes + 3) // 4 < sparse.numel():
             assert int(small[3]) == COMPACT_ENCODING and int(small[4]) == num_bytes
-            assert torch.equal(expand(small, sparse[1].item()), sparse)
+            assert torch.equal(expand_message(small, sparse[1].item()), sparse)
         else:
             assert small is sparse
         assert small.numel() <= sparse.numel()
@@ -72,32 +72,32 @@ class TestForm:
         """Uniform entries at 4 %: the expected gap escapes with probability ~0.96^127."""
         sparse = _random_sparse(1_000_000, 0.04, seed=0)
         k = sparse.numel() - 4
-        bits = 32 * compact(sparse).numel() / k
+        bits = 32 * compact_message(sparse).numel() / k
         assert 8.0 < bits < 8.2
 
     def test_bitmaps_and_empty_messages_stay(self) -> None:
         bitmap = codec.encode_bitmap_(torch.ones(64), 0.5)
-        assert compact(bitmap) is bitmap
+        assert compact_message(bitmap) is bitmap
         empty = torch.tensor([0, 10, 1056964608, FLEXIBLE_ENCODING], dtype=torch.int32)
-        assert compact(empty) is empty
+        assert compact_message(empty) is empty
 
 
 class TestDecoders:
     def test_every_decoder_reads_it_as_the_sparse_message(self) -> None:
         sparse = _random_sparse(5000, 0.05, seed=3)
-        small = compact(sparse)
+        small = compact_message(sparse)
         assert int(small[3]) == COMPACT_ENCODING
         base = torch.randn(5000)
         want = decode_(sparse, base.clone())
         assert torch.equal(decode_(small, base.clone()), want)
-        other = compact(_random_sparse(5000, 0.05, seed=4))
+        other = compact_message(_random_sparse(5000, 0.05, seed=4))
         out = torch.empty(5000)
         decode_sum_([small, None, other], out, divisor=2)
         ref = torch.empty(5000)
-        decode_sum_([sparse, None, expand(other, 5000)], ref, divisor=2)
+        decode_sum_([sparse, None, expand_message(other, 5000)], ref, divisor=2)
         assert torch.equal(out, ref)
         decode_sum_([small, other], out, checked=True)
-        decode_sum_([sparse, expand(other, 5000)], ref, checked=True)
+        decode_sum_([sparse, expand_message(other, 5000)], ref, checked=True)
         assert torch.equal(out, ref)
         info = message_info(small)
         assert (info.format_name, info.num_entries, info.numel, info.nbytes) == (
@@ -109,8 +109,8 @@ class TestDecoders:
 
     def test_multipart_pieces_come_back_sparse(self) -> None:
         a, b = _random_sparse(3000, 0.04, seed=5), _random_sparse(50, 1.0, seed=6)
-        joined = join_messages([compact(a), None, compact(b)], [3000, 7, 50], [0.5] * 3,
-                               torch.device("cpu"))  # fmt: skip
+        joined = join_messages([compact_message(a), None, compact_message(b)], [3000, 7, 50],
+                               [0.5] * 3, torch.device("cpu"))  # fmt: skip
         pieces = split_message(joined, [3000, 7, 50], "rank 1", ["w", "b", "c"])
         assert torch.equal(pieces[0], a) and pieces[1] is None and torch.equal(pieces[2], b)
         broken = joined.clone()
@@ -120,7 +120,7 @@ class TestDecoders:
 
 
 def _good() -> torch.Tensor:
-    return compact(_sparse(2000, [0, 127, 255, 509, 764, 937], [1, -1, 1, 1, -1, 1]))
+    return compact_message(_sparse(2000, [0, 127, 255, 509, 764, 937], [1, -1, 1, 1, -1, 1]))
 
 
 class TestValidation:
@@ -163,7 +163,7 @@ class TestValidation:
         self._rejects(message, 937, "last entry is at index 937, past N = 937")
 
     def test_longer_than_its_sparse_message(self) -> None:
-        message = compact(_sparse(10_000, list(range(0, 10_000, 1000))))
+        message = compact_message(_sparse(10_000, list(range(0, 10_000, 1000))))
         assert int(message[3]) == FLEXIBLE_ENCODING  # too far apart: stays sparse
         words = [2, 10_000, message[2].item(), COMPACT_ENCODING, 20] + [0] * 5
         long = torch.tensor(words, dtype=torch.int32)

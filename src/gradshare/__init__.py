@@ -24,12 +24,15 @@ Importing gradshare starts nothing: no CUDA, no numba compilation, no process gr
 from gradshare import _moved
 from gradshare.codec import (
     BITMAP_ENCODING,
+    COMPACT_ENCODING,
     FLEXIBLE_ENCODING,
     MessageError,
     MessageInfo,
+    compact_message,
     decode_,
     encode_bitmap_,
     encode_sparse_,
+    expand_message,
     message_info,
 )
 from gradshare.distributed.ddp_hook import (
@@ -69,12 +72,15 @@ _moved.install()  # the 0.1 module paths, for one release (see gradshare._moved)
 __all__ = [
     # wire format
     "BITMAP_ENCODING",
+    "COMPACT_ENCODING",
     "FLEXIBLE_ENCODING",
     "MessageError",
     "MessageInfo",
+    "compact_message",
     "decode_",
     "encode_bitmap_",
     "encode_sparse_",
+    "expand_message",
     "message_info",
     # one worker
     "EncodeStats",

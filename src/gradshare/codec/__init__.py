@@ -5,8 +5,9 @@ What lives here:
 - :mod:`~gradshare.codec.messages`: encode a residual in place into an int32 message (sparse
   signed indices, or DL4J's 2-bit bitmap), validate a message whole, decode (adding) into a
   target; ``MessageError``. Byte-compatible with DL4J (docs/wire-format.md).
-- :mod:`~gradshare.codec.compact_form`: the compact form of a sparse message (a byte per entry, an
-  option; lossless), made by ``compact`` and read back by ``expand`` and every decoder.
+- :mod:`~gradshare.codec.compact_form`: the compact form of a sparse message (a byte per
+  entry, an option; lossless), made by ``compact_message`` and read back by
+  ``expand_message`` and every decoder.
 - :mod:`~gradshare.codec.multipart`: several vectors' messages sent back to back as one.
 - private: ``_format`` (layout constants), ``_workspace`` (the encode workspace),
   ``_dispatch`` (kernel or torch path), ``_kernels`` / ``_intrinsics`` (numba, compiled on
@@ -17,7 +18,7 @@ May import: torch, numpy, numba, and ``gradshare._checks``; nothing else of grad
 Importing it starts nothing (numba loads at the first kernel call).
 """
 
-from gradshare.codec.compact_form import compact, compact_length, expand
+from gradshare.codec.compact_form import compact_length, compact_message, expand_message
 from gradshare.codec.messages import (
     BITMAP_ENCODING,
     COMPACT_ENCODING,
@@ -89,13 +90,13 @@ __all__ = [
     "MessageInfo",
     "bitmap_length",
     "check_message",
-    "compact",
     "compact_length",
+    "compact_message",
     "decode_",
     "decode_sum_",
     "encode_bitmap_",
     "encode_sparse_",
-    "expand",
+    "expand_message",
     "kernels_enabled",
     "mean_magnitude",
     "message_info",

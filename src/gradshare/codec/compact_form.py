@@ -13,9 +13,9 @@ with the sign. The compact form (format id ``COMPACT_ENCODING = 2``) holds the s
 
 That is 8 bits per entry plus an escape per 127 elements of a longer gap: ~8.05 bits at 4 %
 uniform density, ~9.2 at 1.56 %; SparseLoCo's chunk-relative indices with 2-bit values take
-14, DL4J's 32. :func:`compact` keeps the sparse message when the compact one would not be
+14, DL4J's 32. :func:`compact_message` keeps the sparse message when the compact one would not be
 shorter, so a compact message is never longer than the sparse message it stands for (the
-exchange's caps hold) and :func:`expand` refuses one that is.
+exchange's caps hold) and :func:`expand_message` refuses one that is.
 
 The form is lossless: expanding gives the sparse message back word for word, so decoding, the
 residuals and the replicas are bit for bit those of DL4J's messages; only the bytes on the wire
@@ -26,16 +26,16 @@ change. Bitmap messages stay as they are. :func:`~gradshare.codec.decode_`,
 Example::
 
     >>> import torch
-    >>> from gradshare.codec import compact, expand, encode_sparse_
+    >>> from gradshare.codec import compact_message, encode_sparse_, expand_message
     >>> residual = torch.zeros(1000)
     >>> residual[[3, 10, 11, 12, 13, 14, 500]] = torch.tensor([1.0, -1, 1, 1, 1, 1, 1])
     >>> sparse = encode_sparse_(residual, 0.5)
     >>> sparse.tolist()
     [7, 1000, 1056964608, 0, 4, -11, 12, 13, 14, 15, 501]
-    >>> small = compact(sparse)  # bytes 4, 0x87, 1, 1, 1, 1, 0, 0, 0, 105: gaps 4, 7 (-t), ...
-    >>> small.tolist()  # ... 1, 1, 1, 1 and 486 = 3·127 + 105 (three escapes)
+    >>> small = compact_message(sparse)  # bytes 4, 0x87, 1, 1, 1, 1, 0, 0, 0, 105: gaps 4,
+    >>> small.tolist()  # 7 (-t), 1, 1, 1, 1 and 486 = 3·127 + 105 (three escapes)
     [7, 1000, 1056964608, 2, 10, 16877316, 257, 26880]
-    >>> torch.equal(expand(small, 1000), sparse)
+    >>> torch.equal(expand_message(small, 1000), sparse)
     True
 """
 
@@ -54,7 +54,7 @@ from gradshare.codec._format import (
     bits_threshold,
 )
 
-__all__ = ["COMPACT_HEADER_WORDS", "compact", "compact_length", "expand"]
+__all__ = ["COMPACT_HEADER_WORDS", "compact_length", "compact_message", "expand_message"]
 
 COMPACT_HEADER_WORDS = HEADER_WORDS + 1
 """The sparse header's 4 words and L, the payload's bytes."""
@@ -67,7 +67,7 @@ def compact_length(num_bytes: int) -> int:
     return COMPACT_HEADER_WORDS + (num_bytes + 3) // 4
 
 
-def compact(message: torch.Tensor) -> torch.Tensor:
+def compact_message(message: torch.Tensor) -> torch.Tensor:
     """The compact form of a sparse ``message`` made by this process, or ``message`` itself
     when that form would not be shorter (a bitmap, no entries, or gaps too long).
 
@@ -94,7 +94,7 @@ def compact(message: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def expand(message: torch.Tensor, numel: int) -> torch.Tensor:
+def expand_message(message: torch.Tensor, numel: int) -> torch.Tensor:
     """The sparse message that compact ``message`` stands for, for a vector of ``numel``
     elements, after validating it whole.
 

@@ -415,7 +415,7 @@ def message_info(message: torch.Tensor) -> MessageInfo:
     """Read a message's header (and count a bitmap's entries) after checking it is well formed."""
     header = _check_message(message)
     if header[3] == COMPACT_ENCODING:
-        compact_form.expand(message, header[1])  # validated whole
+        compact_form.expand_message(message, header[1])  # validated whole
         return MessageInfo(COMPACT_ENCODING, header[0], header[1],
                            bits_threshold(header[2]), message.numel() * 4)  # fmt: skip
     fmt, first, t = _parse_header(header, message.numel())
@@ -476,7 +476,7 @@ def _sparse_form(message: Any, numel: int) -> Any:
         and message.numel() > HEADER_WORDS
         and int(message[3]) == COMPACT_ENCODING
     ):
-        return compact_form.expand(message.contiguous(), numel)
+        return compact_form.expand_message(message.contiguous(), numel)
     return message
 
 
@@ -616,7 +616,7 @@ def _sum_(
                     f"{numel}: it was made for another vector."
                 )
             if fmt == COMPACT_ENCODING:
-                m, fmt = compact_form.expand(m, numel), FLEXIBLE_ENCODING
+                m, fmt = compact_form.expand_message(m, numel), FLEXIBLE_ENCODING
             present.append((m, fmt, bits_threshold(bits)))
             continue
         check_no_overlap(m, target, f"the message from {name}", target_name)

@@ -26,7 +26,7 @@ from gradshare.codec._format import (
     bitmap_length,
     sparse_length,
 )
-from gradshare.codec.compact_form import COMPACT_HEADER_WORDS, compact_length, expand
+from gradshare.codec.compact_form import COMPACT_HEADER_WORDS, compact_length, expand_message
 from gradshare.codec.messages import MessageError, check_message
 
 __all__ = ["empty_message", "join_messages", "split_message"]
@@ -103,7 +103,7 @@ def split_message(
         piece = message[pos : pos + size]
         try:
             if fmt == COMPACT_ENCODING:
-                piece = expand(piece, n)
+                piece = expand_message(piece, n)
             else:
                 check_message(piece, n)
         except MessageError as e:

@@ -220,7 +220,7 @@ class LocalSteps:
             steps between two fragments' syncs. 1 (the whole model at once) by default.
         grad_scaler: the run's ``torch.amp.GradScaler``, to count iterations by its
             ``update()`` (see above).
-        compact: send each sparse piece in its compact form (:func:`gradshare.codec.compact`:
+        compact: send each sparse piece in its compact form (:func:`gradshare.compact_message`:
             the gaps between indices in bytes, ~8-9 bits per entry instead of DL4J's 32),
             when that is shorter. Lossless: the replicas, residuals and losses are bit for
             bit those of DL4J's messages; only ``bytes_sent`` shrinks. Off by default (DL4J's
@@ -678,7 +678,7 @@ class LocalSteps:
                         keep.copy_(enc.residual)
                 message = enc.encode(d, self.syncs, finite=True)
                 if self.compact and message is not None:
-                    message = codec.compact(message)
+                    message = codec.compact_message(message)
                 assert enc.last_stats is not None
                 sent.append((message, enc.last_stats.threshold))
             mine = multipart.join_messages(
