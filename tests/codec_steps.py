@@ -10,8 +10,8 @@ from gradshare import codec
 
 def run_steps() -> list[torch.Tensor]:
     """Messages, residuals and sums of sparse, bounded, bitmap and mean-magnitude encodes,
-    decodes small and large, fused sums, validation, take_update_, subtract_, scale_keeping_
-    and find_nonfinite."""
+    decodes small and large, fused sums, validation, take_update_, subtract_, scale_keeping_,
+    find_nonfinite, and the compact form there and back."""
     out: list[torch.Tensor] = []
     for dtype in (torch.float32, torch.float64):
         g = torch.Generator().manual_seed(0)
@@ -49,5 +49,8 @@ def run_steps() -> list[torch.Tensor]:
         out += [delta, kept, scaled]
         y = x.clone()
         y[[7, 70000]] = float("nan")
+        small_form = codec.compact_message(messages[0])
+        assert int(small_form[3]) == codec.COMPACT_ENCODING
+        out += [small_form, codec.expand_message(small_form, x.numel())]
         out += [total, params, update, torch.tensor(codec.find_nonfinite(y))]
     return out

@@ -1,12 +1,15 @@
 """The compact form of a sparse message (gradshare.codec.compact_form): lossless, its exact
-bytes, never longer than the sparse message, read by every decoder, and validated whole."""
+bytes, never longer than the sparse message, read by every decoder, and validated whole; on
+the kernels and on the torch path alike."""
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gradshare import codec
@@ -22,6 +25,13 @@ from gradshare.codec import (
     message_info,
 )
 from gradshare.codec.multipart import join_messages, split_message
+
+
+@pytest.fixture(params=[True, False], ids=["kernels", "torch"], autouse=True)
+def _path(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Every test runs once on the kernels and once on the torch ops."""
+    with codec.use_kernels(request.param):
+        yield
 
 
 def _sparse(n: int, index: list[int], signs: list[int] | None = None, t: float = 0.5):
@@ -172,7 +182,9 @@ class TestValidation:
         self._rejects(long, 10_000, "no fewer than the 6 of the sparse message")
 
 
-@settings(max_examples=200, deadline=None)
+@settings(
+    max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)  # the path: one per run
 @given(data=st.binary(min_size=1, max_size=16), n=st.integers(1500, 2100))
 def test_fuzz_only_message_error(data: bytes, n: int) -> None:
     """Mutated compact messages: decode adds the message or raises MessageError leaving the

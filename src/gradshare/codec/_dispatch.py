@@ -185,6 +185,24 @@ def first_bad_sparse(entries: torch.Tensor, numel: int) -> int:
     return _torch_paths.first_bad_sparse(entries, numel)
 
 
+def compact_entries(entries: torch.Tensor, payload: torch.Tensor, limit: int) -> int:
+    """Write the compact bytes of sparse ``entries`` into the zeroed uint8 ``payload``; their
+    count, or -1 when it would pass ``limit`` (nothing useful written)."""
+    if _enabled and entries.is_cpu:
+        return int(kernels().compact_entries(entries.numpy(), payload.numpy(), limit))
+    return _torch_paths.compact_entries(entries, payload, limit)
+
+
+def expand_entries(data: torch.Tensor, k: int, numel: int) -> torch.Tensor | str:
+    """The K signed 1-based int32 entries that the compact bytes ``data`` hold, or the fault
+    (the torch path names it)."""
+    if _enabled and data.is_cpu:
+        out = torch.empty(k, dtype=torch.int32)
+        if kernels().expand_entries(data.numpy(), out.numpy(), numel) == 0:
+            return out
+    return _torch_paths.expand_entries(data, k, numel)
+
+
 def decode_small(message: Any, target: torch.Tensor) -> bool:
     """Check and add a small sparse ``message`` in one kernel call; whether it was added.
 

@@ -716,6 +716,54 @@ def _bitmap_into(words, t, buf):  # pragma: no cover - compiled
             tb[j] += step if mag else hstep
 
 
+GAP = 127
+"""The compact form's longest gap per byte (:mod:`gradshare.codec.compact_form`)."""
+
+
+@njit(nogil=True, cache=True)
+def compact_entries(entries, payload, limit):  # pragma: no cover - compiled
+    """Write the compact bytes of the ascending signed 1-based ``entries`` into the zeroed
+    uint8 ``payload``; their count L, or -1 (stopped) once L would pass ``limit``."""
+    prev = np.int64(0)
+    pos = 0
+    for j in range(entries.size):
+        e = np.int64(entries[j])
+        a = abs(e)
+        gap = a - prev
+        prev = a
+        while gap > GAP:  # an escape byte, already 0
+            gap -= GAP
+            pos += 1
+        if pos >= limit:
+            return -1
+        payload[pos] = gap | (128 if e < 0 else 0)
+        pos += 1
+    return pos
+
+
+@njit(nogil=True, cache=True)
+def expand_entries(data, out, numel):  # pragma: no cover - compiled
+    """The signed 1-based entries of the compact bytes ``data`` into int32 ``out`` (K long):
+    0, or 1 when the bytes are not a valid compact payload of K entries for ``numel``
+    elements (the caller's torch path then names the fault)."""
+    k = out.size
+    if data.size == 0 or data[data.size - 1] == 0:
+        return 1
+    pos = np.int64(0)
+    j = 0
+    for i in range(data.size):
+        b = np.int64(data[i])
+        if b == 0:
+            pos += GAP
+            continue
+        pos += b & GAP
+        if j >= k or pos > numel:
+            return 1
+        out[j] = -pos if b > GAP else pos
+        j += 1
+    return 0 if j == k else 1
+
+
 def _serial_twin(kernel):  # pragma: no cover - runs at import of this module
     """The same kernel compiled without ``parallel`` (``prange`` runs as ``range``).
 

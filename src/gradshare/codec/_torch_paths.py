@@ -25,6 +25,8 @@ from gradshare.codec._format import (
     write_header,
 )
 
+GAP = 127
+"""The compact form's longest gap per byte (:mod:`gradshare.codec.compact_form`)."""
 _NATIVE = (torch.float32, torch.float64)
 """Dtypes computed in their own type; the others are computed in float32."""
 
@@ -155,6 +157,37 @@ def bitmap_mean_(
 
 
 # --------------------------------------------------------------------------- decode
+
+
+def compact_entries(entries: torch.Tensor, payload: torch.Tensor, limit: int) -> int:
+    """What :func:`gradshare.codec._kernels.compact_entries` computes."""
+    k = entries.numel()
+    index = entries.abs().to(torch.int64)  # 1-based: the first entry's gap is from index -1
+    gaps = torch.diff(index, prepend=index.new_zeros(1))
+    escapes = (gaps - 1) // GAP
+    num_bytes = k + int(escapes.sum())
+    if num_bytes > limit:
+        return -1
+    where = torch.cumsum(escapes, 0).add_(torch.arange(k, device=entries.device))
+    code = (gaps - GAP * escapes) | (entries < 0).to(torch.int64) << 7
+    payload[where] = code.to(torch.uint8)
+    return num_bytes
+
+
+def expand_entries(data: torch.Tensor, k: int, numel: int) -> torch.Tensor | str:
+    """The signed 1-based int32 entries of the compact bytes ``data``, or the fault."""
+    data = data.to(torch.int64)
+    if int(data[-1]) == 0:
+        return "it ends with an escape byte; the last byte must be an entry"
+    is_entry = data != 0
+    count = int(is_entry.sum())
+    if count != k:
+        return f"it holds {count} entry bytes, but the header says K = {k}"
+    position = torch.cumsum(torch.where(is_entry, data & GAP, GAP), 0)  # 1-based indices
+    if int(position[-1]) > numel:
+        return f"its last entry is at index {int(position[-1]) - 1}, past N = {numel}"
+    index = position[is_entry]
+    return torch.where(data[is_entry] > GAP, -index, index).to(torch.int32)
 
 
 def first_bad_sparse(entries: torch.Tensor, numel: int) -> int:

@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 
+from gradshare.codec import _dispatch
 from gradshare.codec._format import (
     COMPACT_ENCODING,
     FLEXIBLE_ENCODING,
@@ -58,8 +59,6 @@ __all__ = ["COMPACT_HEADER_WORDS", "compact_length", "compact_message", "expand_
 
 COMPACT_HEADER_WORDS = HEADER_WORDS + 1
 """The sparse header's 4 words and L, the payload's bytes."""
-_GAP = 127
-"""The longest gap one entry byte holds; an escape byte adds as much."""
 
 
 def compact_length(num_bytes: int) -> int:
@@ -69,29 +68,26 @@ def compact_length(num_bytes: int) -> int:
 
 def compact_message(message: torch.Tensor) -> torch.Tensor:
     """The compact form of a sparse ``message`` made by this process, or ``message`` itself
-    when that form would not be shorter (a bitmap, no entries, or gaps too long).
+    when that form would not be shorter (a bitmap, fewer than 3 entries, or gaps too long).
 
     ``message`` is trusted (an encoder's own, valid for its vector): it is not validated.
     """
     if message.numel() <= HEADER_WORDS or int(message[3]) != FLEXIBLE_ENCODING:
         return message
-    entries = message[HEADER_WORDS:]
-    k = entries.numel()
-    index = entries.abs().to(torch.int64)  # 1-based: the gap of the first entry from index -1
-    gaps = torch.diff(index, prepend=index.new_zeros(1))
-    escapes = (gaps - 1) // _GAP
-    num_bytes = k + int(escapes.sum())
-    if compact_length(num_bytes) >= message.numel():
+    k = message.numel() - HEADER_WORDS
+    limit = 4 * (k - 2)  # the most bytes with 5 + ceil(L/4) < K + 4 words
+    if limit < k:
         return message
-    out = torch.zeros(compact_length(num_bytes), dtype=torch.int32, device=message.device)
+    out = torch.zeros(k + HEADER_WORDS, dtype=torch.int32, device=message.device)
+    num_bytes = _dispatch.compact_entries(
+        message[HEADER_WORDS:], out[COMPACT_HEADER_WORDS:].view(torch.uint8), limit
+    )
+    if num_bytes < 0:
+        return message
     out[:HEADER_WORDS].copy_(message[:HEADER_WORDS])
     out[3] = COMPACT_ENCODING
     out[4] = num_bytes
-    payload = out[COMPACT_HEADER_WORDS:].view(torch.uint8)  # escapes are the zeros left
-    where = torch.cumsum(escapes, 0).add_(torch.arange(k, device=message.device))
-    code = (gaps - _GAP * escapes) | (entries < 0).to(torch.int64) << 7
-    payload[where] = code.to(torch.uint8)
-    return out
+    return out[: compact_length(num_bytes)]
 
 
 def expand_message(message: torch.Tensor, numel: int) -> torch.Tensor:
@@ -133,21 +129,13 @@ def expand_message(message: torch.Tensor, numel: int) -> torch.Tensor:
     payload = message[COMPACT_HEADER_WORDS:].view(torch.uint8)
     if bool(payload[num_bytes:].any()):
         raise fault(f"bytes past L = {num_bytes} are set; they must be zero")
-    data = payload[:num_bytes].to(torch.int64)
-    if int(data[-1]) == 0:
-        raise fault("it ends with an escape byte; the last byte must be an entry")
-    is_entry = data != 0
-    if int(is_entry.sum()) != k:
-        raise fault(f"it holds {int(is_entry.sum())} entry bytes, but the header says K = {k}")
-    position = torch.cumsum(torch.where(is_entry, data & _GAP, _GAP), 0)  # 1-based indices
-    if int(position[-1]) > numel:
-        raise fault(f"its last entry is at index {int(position[-1]) - 1}, past N = {numel}")
-    index = position[is_entry]
-    signed = torch.where(data[is_entry] > _GAP, -index, index)
+    entries = _dispatch.expand_entries(payload[:num_bytes], k, numel)
+    if isinstance(entries, str):
+        raise fault(entries)
     out = torch.empty(k + HEADER_WORDS, dtype=torch.int32, device=message.device)
     out[:HEADER_WORDS].copy_(message[:HEADER_WORDS])
     out[3] = FLEXIBLE_ENCODING
-    out[HEADER_WORDS:].copy_(signed)
+    out[HEADER_WORDS:].copy_(entries)
     return out
 
 
