@@ -14,9 +14,10 @@ runs). After one untimed round, ``--rounds`` rounds are timed; each phase is a m
 in ms per round of 10 steps:
 
 * ``delta``: Δ = global copy (+ carry) - replica, with its finiteness count;
-* ``encode``: the residuals' backup and decay, and each parameter's encode;
+* ``encode``: the residuals' backup and decay, and each parameter's encode (and, with
+  ``compact``, its compact form);
 * ``exchange+decode``: the exchange (here with itself) and the decode of every message into
-  the mean (on the exchange's thread with overlap);
+  the mean (on the exchange's thread with overlap; with ``compact``, each piece expanded);
 * ``outer``, ``take``: the outer step on the global copy, the replica taking it;
 * ``merge``: with overlap, the merge τ steps after each sync (its wait for the exchange's
   thread, the carry, the outer step and the take);
@@ -39,6 +40,8 @@ SETTINGS = {
     "default": {},
     "fragments 5": {"fragments": 5},
     "fragments 5, overlap 2": {"fragments": 5, "overlap": 2},
+    "default, compact": {"compact": True},
+    "fragments 5, overlap 2, compact": {"fragments": 5, "overlap": 2, "compact": True},
 }
 PHASES = {
     "delta": "_compute_delta", "encode": "_encode", "exchange+decode": "_encoded_mean",
