@@ -85,7 +85,8 @@ def _rank_laws(rank: int, world: int) -> dict:
                 assert torch.equal(g, flat(model))
         assert sync.syncs == 3 and sync.dense_bytes == 3 * 4 * sync.numel
         out[key] = {"hashes": hashes, "logs": logs, "residuals": residuals,
-                    "bytes": sync.bytes_sent}  # fmt: skip
+                    "bytes": sync.bytes_sent,
+                    "seconds": (sync.sync_seconds, sync.wait_seconds)}  # fmt: skip
         sync.close()
     # dense, outer SGD lr 1: every sync leaves every replica at the mean of the replicas
     model = toy_model(seed=rank)
@@ -153,7 +154,7 @@ class TestSyncLaws:
         for r in results:
             for key in (1.0, 0.9, "compact"):
                 logs = r[key]["logs"]
-                form = codec.compact if key == "compact" else lambda m: m
+                form = codec.compact_message if key == "compact" else lambda m: m
                 want = 0
                 for k in range(3):
                     pieces = [log[k][1] for log in logs]
@@ -213,16 +214,18 @@ def _rank_overlap(rank: int, world: int) -> dict:
                 p, lr=1.0)} if dense else {}  # fmt: skip
             sync = LocalSteps(model, inner, sync_every=2, overlap=True if tau == 2 else tau,
                               **kwargs)  # fmt: skip
-            start, after, copies, counted = flat(model), [], [], []
+            start, after, copies, counted, seconds = flat(model), [], [], [], []
             for batch in batches:
                 _train(model, inner, [batch])
                 after.append(flat(model))
                 copies.append(torch.cat([g.reshape(-1) for g in sync.global_params]))
                 counted.append((sync.bytes_sent, sync.dense_bytes))
+                seconds.append((sync.sync_seconds, sync.wait_seconds))
             sync.close()  # after step 9
             out[(tau, dense)] = {"start": start, "locals": locals_, "after": after,
                                  "copies": copies, "closed": flat(model), "counted": counted,
-                                 "numel": sync.numel, "syncs": sync.syncs}  # fmt: skip
+                                 "numel": sync.numel, "syncs": sync.syncs,
+                                 "seconds": seconds}  # fmt: skip
     return out
 
 
@@ -298,6 +301,22 @@ class TestOverlap:
         done = [sum(1 for m in merges if m <= step) for step in range(1, 10)]
         assert runs[0]["counted"] == [(4 * numel * k, 4 * numel * k) for k in done]
         assert runs[0]["syncs"] == 4
+
+    def test_seconds_in_syncs_and_waits(self, overlapped: list[dict], laws: list[dict]) -> None:
+        """``sync_seconds`` grows at the steps that sync or merge alone; ``wait_seconds`` at
+        every merge, only at such steps, and never without overlap."""
+        for r in overlapped:
+            for tau in (2, 1):
+                seconds = r[(tau, False)]["seconds"]  # [k]: after step k + 1
+                syncing = [1, 3, 5, 7] if tau == 2 else [1, 2, 3, 4, 5, 6, 7, 8]
+                merges = [3, 5, 7] if tau == 2 else [2, 4, 6, 8]
+                for k in range(1, len(seconds)):
+                    grew, waited = (seconds[k][i] > seconds[k - 1][i] for i in (0, 1))
+                    assert grew == (k in syncing), (tau, k)
+                    assert waited <= grew and waited >= (k in merges), (tau, k)
+        for r in laws:
+            sync_s, wait_s = r[0.9]["seconds"]
+            assert sync_s > 0 and wait_s == 0
 
     @pytest.mark.parametrize("tau", [2, 1])
     def test_encoded_replicas_are_bit_identical_at_every_merge(

@@ -14,6 +14,7 @@ import bisect
 import copy
 import itertools
 import logging
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -312,6 +313,14 @@ class LocalSteps:
         """Bytes of the messages this rank sent (dense syncs: 4 per element)."""
         self.dense_bytes = 0
         """Bytes the same syncs take sent dense in float32."""
+        self.sync_seconds = 0.0
+        """Wall seconds the training loop spent in this object's syncs and merges since it
+        was built (waits for exchanges in flight included): what local steps add to the
+        steps, besides any CPU the background exchange takes from them. Not checkpointed."""
+        self.wait_seconds = 0.0
+        """Wall seconds spent waiting for an exchange in flight (``overlap``: at merges, and
+        at :meth:`flush`, :meth:`state_dict` or :meth:`close`). More than a little at merges
+        means the link does not carry a round in τ steps. Not checkpointed."""
 
         outer = outer_optimizer or _default_outer(default_outer_lr(inner_optimizer))
         probe_outer = outer([torch.zeros(1)])  # its settings, for the header
@@ -404,12 +413,19 @@ class LocalSteps:
     def _tick(self) -> None:
         self.steps += 1
         flight, h = self._flight, self.sync_every
-        if flight is not None and not self._lead_mode():
-            if (self.steps - self.overlap) % h == self._parts[flight].offset:
+        merge = (flight is not None and not self._lead_mode()
+                 and (self.steps - self.overlap) % h == self._parts[flight].offset)  # fmt: skip
+        due = [part for part in self._parts if self.steps % h == part.offset]
+        if not (merge or due):
+            return
+        start = time.perf_counter()
+        try:
+            if merge:
                 self._merge_due()
-        for part in self._parts:
-            if self.steps % h == part.offset:
+            for part in due:
                 self._sync(part)
+        finally:
+            self.sync_seconds += time.perf_counter() - start
 
     def _lead_mode(self) -> bool:
         """τ = ``sync_every`` (one fragment): each merge comes at the next sync, with a lead."""
@@ -565,7 +581,11 @@ class LocalSteps:
         ``_mean`` for the merge. A failed round is undone and its error raised."""
         assert self._round is not None
         flight = self._flight
-        sent = self._round.wait()
+        start = time.perf_counter()
+        try:
+            sent = self._round.wait()
+        finally:
+            self.wait_seconds += time.perf_counter() - start
         if sent is not None:
             self.bytes_sent += sent
             self.dense_bytes += 4 * (self.numel if flight is None else self._parts[flight].numel)
