@@ -29,7 +29,10 @@ with the settings a user gets by default:
   ``ms/step`` is their mean, not the median;
 
 and ``compute``: the same forward, backward and optimizer step with no exchange at all
-(measured first and last; the faster is kept, so a slow moment cannot shrink ``exchange``).
+(measured first and last; the faster is kept, so a slow moment cannot shrink ``exchange``;
+with ``--paired`` also between every two methods, and each method is compared with the mean
+of the compute runs just before and after it: the step time of these processes drifts by up
+to 20 % over a run on this VM, so only neighbours are comparable).
 Every method steps AdamW. Models: ``gpt``, the character-level GPT of the quality workloads
 scaled to 8 blocks of 512 (25.4M parameters in 102 tensors), 2 windows of 64 characters of
 CPython's documentation per rank; ``square``, five square Linear layers (25M parameters), 8
@@ -41,7 +44,11 @@ starts at 1e-3 and keeps adapting). Then up to ``--steps`` timed steps, at most 
 method (at least 2 steps). ``ms/step`` is the median over the timed steps of the slowest
 rank; ``exchange`` is ``ms/step`` minus ``compute`` and ``share`` its fraction of the step;
 ``bytes/step`` is what one rank contributes per step (its messages, or its share of the
-payload), and gradshare's density is taken from those bytes.
+payload), and gradshare's density is taken from those bytes. For the local methods, ``in
+sync`` is the ms per step that the training loop spent inside LocalSteps' syncs and merges
+(rank 0's ``sync_seconds`` over the timed steps) and ``waits`` the part of it spent waiting
+for an exchange in flight (``wait_seconds``): measured within the run, so unlike
+``exchange`` they do not depend on the compute-only baseline.
 
 Link rates: ``none`` is plain loopback. ``1gbit``, ``100mbit`` run the whole world inside a
 network namespace that this script creates, whose loopback is shaped with ``tc ... tbf``; all
@@ -59,6 +66,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import math
 import os
@@ -87,7 +95,8 @@ RESULTS = Path(__file__).resolve().parent / "results"
 METHODS = ["compute", "dense", "fp16", "powersgd-1", "powersgd-4", "hook", "hook-1%", "shared",
            "local", "local-overlap", "local-overlap1", "local-overlap2",
            "local-overlap5", "local-f5-overlap2", "local-f5-overlap1",
-           "local-d2-f5-overlap2"]  # fmt: skip
+           "local-d2-f5-overlap2", "local-c", "local-f5-overlap2-c",
+           "local-f5-overlap1-c"]  # fmt: skip
 LOCAL_METHOD = re.compile(
     r"^local(-d(?P<pct>[\d.]+))?(-f(?P<frags>\d+))?(-overlap(?P<tau>\d+)?)?(?P<compact>-c)?$"
 )
@@ -123,6 +132,14 @@ class Row:
     """ms/step minus compute's: what the exchange adds to a step."""
     exchange_share: float | None = None
     """exchange_ms / ms_per_step."""
+    sync_ms: float | None = None
+    """Local methods: ms per step the training loop spent in LocalSteps' syncs and merges
+    (``sync_seconds``), whatever the compute-only step did meanwhile."""
+    wait_ms: float | None = None
+    """Of those, ms per step waiting for an exchange in flight (``wait_seconds``)."""
+    compute_ms: float | None = None
+    """The compute-only ms/step this method is compared with (``--paired``: the mean of the
+    runs just before and after it; else the faster of the first and the last)."""
 
 
 def square(numel: int) -> nn.Module:
@@ -184,6 +201,7 @@ def _method(method: str, rank: int, world: int, model: str, numel: int, steps: i
                                      fragments=int(m["frags"] or 1), compact=bool(m["compact"]),
                                      **extra)  # fmt: skip
     sent0 = [0]
+    spent0 = [0.0, 0.0]  # LocalSteps' sync and wait seconds before the timed steps
 
     def step(i: int) -> None:
         opt.zero_grad()
@@ -193,6 +211,8 @@ def _method(method: str, rank: int, world: int, model: str, numel: int, steps: i
     def at_warmup() -> None:
         counter = next(c for c in (state, local, opt) if c is not None)
         sent0[0] = getattr(counter, "bytes_sent", 0)
+        if local is not None:
+            spent0[:] = [local.sync_seconds, local.wait_seconds]
 
     if local is None:
         times = timed_steps(step, steps=steps, warmup=WARMUP[method], budget_s=BUDGET_S,
@@ -201,6 +221,8 @@ def _method(method: str, rank: int, world: int, model: str, numel: int, steps: i
         rounds = max(2, -(-steps // LOCAL_H))
         times = timed_steps(step, steps=rounds * LOCAL_H, warmup=WARMUP[method],
                             budget_s=float("inf"), at_warmup=at_warmup)  # fmt: skip
+        spent = [1e3 * (local.sync_seconds - spent0[0]) / len(times),
+                 1e3 * (local.wait_seconds - spent0[1]) / len(times)]  # fmt: skip
         local.close()  # the last round in flight is merged (not timed)
     n = sum(p.numel() for p in params)
     density = None
@@ -224,36 +246,49 @@ def _method(method: str, rank: int, world: int, model: str, numel: int, steps: i
     # the local methods' steps differ by design (a sync every LOCAL_H-th): their mean over
     # whole rounds; every other method's steps are alike: their median
     ms = (statistics.mean(times) if local is not None else statistics.median(times)) * 1e3
-    return {"method": method, "numel": n, "ms": ms, "bytes": sent,
-            "density": density, "steps": len(times)}  # fmt: skip
+    row = {"method": method, "numel": n, "ms": ms, "bytes": sent, "density": density,
+           "steps": len(times)}  # fmt: skip
+    if local is not None:
+        row["sync_ms"], row["wait_ms"] = spent
+    return row
+
+
+def _order(methods: list[str], paired: bool) -> list[str]:
+    """compute first and last, and with ``paired`` between every two methods too."""
+    if not paired:
+        return ["compute", *methods, "compute"]
+    return ["compute", *itertools.chain.from_iterable((m, "compute") for m in methods)]
 
 
 def _rank(
     rank: int, world: int, port: int, model: str, numel: int, steps: int, methods: list[str],
-    out: str,
+    out: str, paired: bool,
 ) -> None:  # fmt: skip
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    rows = [_method(m, rank, world, model, numel, steps)
-            for m in ["compute", *methods, "compute"]]  # fmt: skip
+    rows = [_method(m, rank, world, model, numel, steps) for m in _order(methods, paired)]
     if rank == 0:
         Path(out).write_text(json.dumps(rows))
     dist.destroy_process_group()
 
 
-def inner(model: str, world: int, numel: int, steps: int, methods: list[str]) -> list[dict]:
+def inner(
+    model: str, world: int, numel: int, steps: int, methods: list[str], paired: bool = False
+) -> list[dict]:
     """Run ``methods`` on a world of ``world`` processes here (in whatever namespace)."""
     os.environ["OMP_NUM_THREADS"] = "1"  # as torchrun sets it for several ranks per host
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "rows.json")
-        mp.spawn(_rank, args=(world, free_port(), model, numel, steps, methods, out),
+        mp.spawn(_rank, args=(world, free_port(), model, numel, steps, methods, out, paired),
                  nprocs=world, join=True)  # fmt: skip
         rows = json.loads(Path(out).read_text())
     compute = [r for r in rows if r["method"] == "compute"]
-    rows = [r for r in rows if r["method"] != "compute"]
-    rows.insert(0, min(compute, key=lambda r: r["ms"]))  # measured first and last: the floor
-    print(f"compute, first and last: {compute[0]['ms']:.1f} and {compute[-1]['ms']:.1f} ms/step")
-    return rows
+    floor = min(compute, key=lambda r: r["ms"])  # the faster: a slow moment cannot shrink it
+    for i, r in enumerate(rows):
+        if r["method"] != "compute":
+            r["compute_ms"] = (rows[i - 1]["ms"] + rows[i + 1]["ms"]) / 2 if paired else floor["ms"]
+    print("compute, in order: " + ", ".join(f"{r['ms']:.1f}" for r in compute) + " ms/step")
+    return [floor, *(r for r in rows if r["method"] != "compute")]
 
 
 @contextlib.contextmanager
@@ -275,27 +310,30 @@ def shaped_namespace(rate: str) -> Iterator[str]:
 
 
 def measure(
-    model: str, rate: str, world: int, numel: int, steps: int, methods: list[str]
-) -> list[Row]:
+    model: str, rate: str, world: int, numel: int, steps: int, methods: list[str],
+    paired: bool = False,
+) -> list[Row]:  # fmt: skip
     if rate == "none":
-        raw = inner(model, world, numel, steps, methods)
+        raw = inner(model, world, numel, steps, methods, paired)
     else:
         with shaped_namespace(rate) as ns, tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "rows.json"
             cmd = ["ip", "netns", "exec", ns, sys.executable, __file__, "--inner", str(world),
                    "--models", model, "--numel", str(numel), "--steps", str(steps),
-                   "--methods", *methods, "--out", str(out)]  # fmt: skip
+                   "--methods", *methods, "--out", str(out),
+                   *(["--paired"] if paired else [])]  # fmt: skip
             subprocess.run(cmd, check=True, timeout=3600)
             raw = json.loads(out.read_text())
     dense_ms = next((r["ms"] for r in raw if r["method"] == "dense"), None)  # when measured
-    compute_ms = next(r["ms"] for r in raw if r["method"] == "compute")
     rows = []
     for r in raw:
         row = Row(model, rate, world, r["method"], r["numel"], r["ms"], r["bytes"],
-                  r["density"], r["steps"])  # fmt: skip
+                  r["density"], r["steps"], sync_ms=r.get("sync_ms"),
+                  wait_ms=r.get("wait_ms"))  # fmt: skip
         if r["method"] != "compute":
             row.speedup_vs_dense = None if dense_ms is None else dense_ms / r["ms"]
-            row.exchange_ms = max(r["ms"] - compute_ms, 0.0)
+            row.compute_ms = r["compute_ms"]
+            row.exchange_ms = max(r["ms"] - row.compute_ms, 0.0)
             row.exchange_share = row.exchange_ms / r["ms"]
         rows.append(row)
     return rows
@@ -313,7 +351,8 @@ def can_shape() -> str | None:
 def table(rows: list[Row]) -> str:
     head = (
         f"{'model':<7} {'rate':<8} {'world':>5} {'method':<11} {'ms/step':>9} {'vs dense':>9} "
-        f"{'exchange':>9} {'share':>6} {'bytes/step':>13} {'density':>8}"
+        f"{'exchange':>9} {'share':>6} {'vs comp.':>8} {'in sync':>7} {'waits':>6} "
+        f"{'bytes/step':>13} {'density':>8}"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
@@ -321,9 +360,13 @@ def table(rows: list[Row]) -> str:
         speed = f"{r.speedup_vs_dense:.2f}x" if r.speedup_vs_dense is not None else "-"
         exchange = f"{r.exchange_ms:.0f}" if r.exchange_ms is not None else "-"
         share = f"{r.exchange_share:.0%}" if r.exchange_share is not None else "-"
+        ratio = f"{r.ms_per_step / r.compute_ms:.3f}x" if r.compute_ms else "-"
+        in_sync = f"{r.sync_ms:.1f}" if r.sync_ms is not None else "-"
+        waits = f"{r.wait_ms:.1f}" if r.wait_ms is not None else "-"
         lines.append(
             f"{r.model:<7} {r.rate:<8} {r.world:>5} {r.method:<11} {r.ms_per_step:>9.1f} "
-            f"{speed:>9} {exchange:>9} {share:>6} {r.bytes_per_step:>13,.0f} {density:>8}"
+            f"{speed:>9} {exchange:>9} {share:>6} {ratio:>8} {in_sync:>7} {waits:>6} "
+            f"{r.bytes_per_step:>13,.0f} {density:>8}"
         )
     return "\n".join(lines)
 
@@ -391,10 +434,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--methods", nargs="+", default=METHODS[1:], choices=METHODS[1:],
                         help="besides compute, which is always measured")  # fmt: skip
     parser.add_argument("--out", type=Path, default=RESULTS / "exchange.json")
+    parser.add_argument("--paired", action="store_true",
+                        help="measure compute between every two methods too, and compare each "
+                             "method with the compute runs just before and after it")  # fmt: skip
     parser.add_argument("--inner", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.inner is not None:  # inside a shaped namespace
-        raw = inner(args.models[0], args.inner, args.numel, args.steps, args.methods)
+        raw = inner(args.models[0], args.inner, args.numel, args.steps, args.methods, args.paired)
         args.out.write_text(json.dumps(raw))
         return
     rows: list[Row] = []
@@ -409,7 +455,9 @@ def main(argv: list[str] | None = None) -> None:
             worlds = args.worlds[:1] if rate == "100mbit" else args.worlds
             for world in worlds:
                 print(f"{model}, rate {rate}, world {world} ...", flush=True)
-                rows += measure(model, rate, world, args.numel, args.steps, args.methods)
+                rows += measure(
+                    model, rate, world, args.numel, args.steps, args.methods, args.paired
+                )
                 print(table([r for r in rows if (r.model, r.rate, r.world) ==
                              (model, rate, world)]), flush=True)  # fmt: skip
     print(table(rows))
