@@ -504,7 +504,8 @@ def decode_(message: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
     The message is validated whole before any element is written: known format id, header
     consistent with the length, N equal to ``target``'s length, threshold finite and > 0, every
-    sparse entry in ±1..±N, non-zero and strictly ascending, no bitmap bit past N. Any fault
+    sparse entry in ±1..±N, non-zero and strictly ascending, no bitmap bit past N. A compact
+    message (:mod:`~gradshare.codec.compact_form`) is expanded, and so checked, first. Any fault
     raises :class:`MessageError` naming it and ``target`` is left bit-for-bit unchanged. So is
     a message that shares bytes with ``target`` (a view of its memory): its writes would
     change the entries being read; clone such a message first.
