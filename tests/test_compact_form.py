@@ -157,6 +157,7 @@ class TestValidation:
         self._rejects(self._with(w4=13), 2000, "L = 13 bytes take")
         self._rejects(self._with(w2=0), 2000, "finite threshold > 0")
         self._rejects(_good()[:5].clone(), 2000, "L = 11 bytes take")
+        self._rejects(_good()[:4].clone(), 2000, "4 words, fewer than its 5 header words")
 
     def test_payload(self) -> None:
         message = _good()

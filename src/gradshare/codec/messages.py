@@ -473,7 +473,7 @@ def _sparse_form(message: Any, numel: int) -> Any:
         isinstance(message, torch.Tensor)
         and message.dtype == torch.int32
         and message.dim() == 1
-        and message.numel() > HEADER_WORDS
+        and message.numel() >= HEADER_WORDS
         and int(message[3]) == COMPACT_ENCODING
     ):
         return compact_form.expand_message(message.contiguous(), numel)
