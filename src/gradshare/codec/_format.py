@@ -19,6 +19,8 @@ BITMAP_ENCODING = 1
 """Format id of a bitmap message (2 bits per element)."""
 COMPACT_ENCODING = 2
 """Format id of a compact sparse message (gaps in bytes; gradshare's option, not DL4J's)."""
+COMPACT_GAP = 127
+"""The longest gap one byte of a compact message holds; an escape byte adds as much."""
 HEADER_WORDS = 4
 MAX_NUMEL = 2**31 - 1
 """Largest N a message can address: indices are signed int32 ``±(i+1)``."""
@@ -52,6 +54,13 @@ def threshold_bits(t: float) -> int:
 def bits_threshold(bits: int) -> float:
     """The float32 that the int32 ``bits`` of word 2 hold."""
     return float(F32.unpack(I32.pack(bits))[0])
+
+
+def read_words(message: torch.Tensor, count: int) -> list[int]:
+    """The first ``count`` words of ``message`` as Python ints (on any device)."""
+    if message.device.type == "cpu":
+        return message.numpy()[:count].tolist()
+    return [int(v) for v in message[:count].tolist()]
 
 
 def write_header(message: torch.Tensor, first: int, numel: int, t: float, fmt: int) -> None:

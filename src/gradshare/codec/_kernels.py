@@ -42,6 +42,7 @@ import types as types_
 import numpy as np
 from numba import njit, prange
 
+from gradshare.codec._format import COMPACT_GAP as GAP
 from gradshare.codec._intrinsics import make_bitmap_superblock, make_superblock
 
 CHUNK = 1 << 16
@@ -714,10 +715,6 @@ def _bitmap_into(words, t, buf):  # pragma: no cover - compiled
             step = -t if sgn else t
             hstep = -half if sgn else zero
             tb[j] += step if mag else hstep
-
-
-GAP = 127
-"""The compact form's longest gap per byte (:mod:`gradshare.codec.compact_form`)."""
 
 
 @njit(nogil=True, cache=True)

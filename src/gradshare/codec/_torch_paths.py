@@ -24,9 +24,10 @@ from gradshare.codec._format import (
     mean_magnitude,
     write_header,
 )
+from gradshare.codec._format import (
+    COMPACT_GAP as GAP,
+)
 
-GAP = 127
-"""The compact form's longest gap per byte (:mod:`gradshare.codec.compact_form`)."""
 _NATIVE = (torch.float32, torch.float64)
 """Dtypes computed in their own type; the others are computed in float32."""
 

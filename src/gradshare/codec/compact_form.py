@@ -42,7 +42,6 @@ Example::
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 
@@ -53,6 +52,7 @@ from gradshare.codec._format import (
     HEADER_WORDS,
     MessageError,
     bits_threshold,
+    read_words,
 )
 
 __all__ = ["COMPACT_HEADER_WORDS", "compact_length", "compact_message", "expand_message"]
@@ -106,7 +106,7 @@ def expand_message(message: torch.Tensor, numel: int) -> torch.Tensor:
     length = message.numel()
     if length < COMPACT_HEADER_WORDS:
         raise fault(f"it has {length} words, fewer than its {COMPACT_HEADER_WORDS} header words")
-    k, n, bits, fmt, num_bytes = _words(message[:COMPACT_HEADER_WORDS])
+    k, n, bits, fmt, num_bytes = read_words(message, COMPACT_HEADER_WORDS)
     if fmt != COMPACT_ENCODING:
         raise fault(f"word 3 is format {fmt}, not {COMPACT_ENCODING}")
     t = bits_threshold(bits)
@@ -137,9 +137,3 @@ def expand_message(message: torch.Tensor, numel: int) -> torch.Tensor:
     out[3] = FLEXIBLE_ENCODING
     out[HEADER_WORDS:].copy_(entries)
     return out
-
-
-def _words(header: torch.Tensor) -> list[Any]:
-    if header.is_cpu:
-        return header.numpy().tolist()
-    return [int(v) for v in header.tolist()]

@@ -65,6 +65,7 @@ from gradshare.codec._format import (
     bitmap_length,
     bits_threshold,
     mean_magnitude,
+    read_words,
     sparse_length,
 )
 from gradshare.codec._workspace import Workspace as Workspace
@@ -376,9 +377,7 @@ def _check_message(message: Any) -> list[int]:
         raise MessageError(
             f"Expect a message of at least {HEADER_WORDS} header words, got {message.numel()}."
         )
-    if message.is_cpu:
-        return message.numpy()[:HEADER_WORDS].tolist()
-    return [int(v) for v in message[:HEADER_WORDS].tolist()]
+    return read_words(message, HEADER_WORDS)
 
 
 def _parse_header(header: list[int], length: int) -> tuple[int, int, float]:
