@@ -10,7 +10,7 @@ from gradshare import codec
 
 def run_steps() -> list[torch.Tensor]:
     """Messages, residuals and sums of sparse, bounded, bitmap and mean-magnitude encodes,
-    decodes small and large, fused sums, validation, take_update_, subtract_, scale_keeping_,
+    decodes small and large, fused sums, validation, take_update_, subtract_, decay_add_,
     find_nonfinite, and the compact form there and back."""
     out: list[torch.Tensor] = []
     for dtype in (torch.float32, torch.float64):
@@ -44,9 +44,9 @@ def run_steps() -> list[torch.Tensor]:
         delta = torch.empty_like(x)
         codec.subtract_(x + 1, x * 0.5, delta, plus=x * 3)
         kept = torch.empty_like(x)
-        scaled = x.clone()
-        codec.scale_keeping_(scaled, 0.95, kept)
-        out += [delta, kept, scaled]
+        decayed = x.clone()
+        codec.decay_add_(decayed, 0.95, kept, x + 1, x * 0.5, plus=x * 3, out=delta.clone())
+        out += [delta, kept, decayed]
         y = x.clone()
         y[[7, 70000]] = float("nan")
         small_form = codec.compact_message(messages[0])

@@ -654,16 +654,51 @@ class TestSubtract:
             codec.subtract_(torch.zeros(4), torch.zeros(4), torch.zeros(4), plus=torch.zeros(5))
 
 
-@pytest.mark.parametrize("n", [5, (1 << 16) * 3 + 7])
-def test_scale_keeping_keeps_the_old_values(n: int) -> None:
-    """``scale_keeping_``: the backup is the old vector bit for bit, the vector is scaled
-    exactly as ``mul_`` scales it."""
-    x = torch.randn(n, generator=torch.Generator().manual_seed(n))
-    old, backup = x.clone(), torch.empty(n)
-    codec.scale_keeping_(x, 0.95, backup)
-    assert torch.equal(backup, old) and torch.equal(x, old.mul(0.95))
-    with pytest.raises(ValueError, match="`backup` like `x`"):
-        codec.scale_keeping_(x, 0.95, torch.empty(n + 1))
+class TestDecayAdd:
+    """``decay_add_``: LocalSteps' error feedback with decay in one pass (backup = r,
+    d = (start + carry) - local, r = β·r + d), rounded exactly as torch's ``add``, ``sub``,
+    ``mul`` and ``add`` round it, on the kernels and on the torch ops alike."""
+
+    @pytest.mark.parametrize("kernels", [True, False], ids=["kernels", "torch"])
+    @pytest.mark.parametrize("n", [5, CHUNK * 3 + 7])
+    @pytest.mark.parametrize("plus", [False, True])
+    @pytest.mark.parametrize("out", [False, True])
+    @pytest.mark.parametrize("factor", [0.95, 1.0, 0.0])
+    def test_exact_as_torch_ops(
+        self, kernels: bool, n: int, plus: bool, out: bool, factor: float
+    ) -> None:
+        g = torch.Generator().manual_seed(n)
+        start, local, carry, old = (torch.randn(n, generator=g) * 10**-i for i in range(4))
+        r, backup, d = old.clone(), torch.empty(n), torch.full((n,), 7.0)
+        with codec.use_kernels(kernels):
+            extra, into = carry if plus else None, d if out else None
+            bad = codec.decay_add_(r, factor, backup, start, local, plus=extra, out=into)
+        delta = ((start + carry) - local) if plus else (start - local)
+        assert bad == 0
+        assert torch.equal(bits(backup), bits(old))
+        assert torch.equal(bits(r), bits(old.mul(factor).add_(delta)))
+        assert torch.equal(d, delta if out else torch.full((n,), 7.0))
+
+    @pytest.mark.parametrize("kernels", [True, False], ids=["kernels", "torch"])
+    def test_nonfinite_counted_and_backup_whole(self, kernels: bool) -> None:
+        n = CHUNK + 10
+        start, local, carry = torch.zeros(n), torch.zeros(n), torch.zeros(n)
+        local[n - 3], carry[1] = float("nan"), float("inf")
+        old = torch.arange(n, dtype=torch.float32)
+        r, backup = old.clone(), torch.empty(n)
+        with codec.use_kernels(kernels):
+            assert codec.decay_add_(r, 0.5, backup, start, local, plus=carry) == 2
+            assert torch.equal(backup, old)  # what a failed sync puts back
+            big = torch.full((n,), 3e38)
+            assert codec.decay_add_(big.clone(), 1.0, backup, big, -big) == n  # overflow
+
+    def test_mismatched_buffers_refused(self) -> None:
+        x = torch.zeros(4)
+        with pytest.raises(ValueError, match="`backup` like `residual`"):
+            codec.decay_add_(x, 0.95, torch.zeros(5), x, x)
+        with pytest.raises(ValueError, match="`out` like `residual`"):
+            codec.decay_add_(x, 0.95, x.clone(), x, x, out=torch.zeros(4, dtype=torch.float64))
+        assert torch.equal(x, torch.zeros(4))
 
 
 def test_checked_sum_still_refuses_another_length() -> None:

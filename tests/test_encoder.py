@@ -190,6 +190,26 @@ class TestInput:
         assert enc.residual is not None and enc.residual.dtype == torch.float32
         assert enc.residual[:4].tolist() == [1.0, 2.0, -3.0, 0.0]
 
+    @pytest.mark.parametrize("n", [300, 200_000])
+    def test_update_already_in_the_residual(self, n: int) -> None:
+        """``encode(None, ...)`` encodes the residual as it is (its caller added the update,
+        as LocalSteps does with ``decay_add_``): the same message, residual and stats as
+        passing that update, sampled threshold included; and refused before any residual."""
+        g = torch.Generator().manual_seed(n)
+        given, added = Encoder(QuantileThreshold(0.02)), Encoder(QuantileThreshold(0.02))
+        for step in range(3):
+            u = torch.randn(n, generator=g)
+            expected = given.encode(u, step)
+            if added.residual is None:
+                added.residual = torch.zeros(n)
+            added.residual.add_(u)
+            got = added.encode(None, step)
+            assert expected is not None and got is not None and torch.equal(got, expected)
+            assert torch.equal(added.residual, given.residual)
+            assert added.last_stats == given.last_stats
+        with pytest.raises(ValueError, match="`update=None` encodes the residual as it is"):
+            Encoder().encode(None, 0)
+
     def test_bad_threshold_type(self) -> None:
         with pytest.raises(TypeError, match="FixedThreshold"):
             Encoder(1e-3)  # type: ignore[arg-type]

@@ -24,7 +24,6 @@ from gradshare.distributed.local_steps import (
     DEFAULT_OUTER_LR_SGD,
     default_outer_lr,
 )
-from gradshare.encoding.encoder import Encoder
 
 from toys import flat, mlp, toy_batches, toy_model
 from world import pooled, spawn
@@ -37,13 +36,17 @@ def _train(model: nn.Module, inner: torch.optim.Optimizer, batches: list) -> Non
         inner.step()
 
 
-def _record(enc: Encoder, log: list) -> None:
-    """Make ``enc`` append (update, message) of each encode to ``log``."""
+def _record(sync: LocalSteps, i: int, log: list) -> None:
+    """Make parameter ``i``'s encoder append (Δ, message) of each encode to ``log``, Δ taken
+    from the sync as the encode starts: global copy - replica (the model has not taken the
+    global copy yet), in float64."""
+    enc = sync.encoders[i]
     encode = enc.encode
 
-    def recorded(update: torch.Tensor, iteration: int, epoch: int = 0, **kw: bool) -> object:
+    def recorded(update: None, iteration: int, epoch: int = 0, **kw: bool) -> object:
+        delta = sync.global_params[i].double() - sync.params[i].detach().double()
         message = encode(update, iteration, epoch, **kw)
-        log.append((update.detach().clone(), None if message is None else message.clone()))
+        log.append((delta.reshape(-1), None if message is None else message.clone()))
         return message
 
     enc.encode = recorded  # type: ignore[method-assign]
@@ -73,8 +76,8 @@ def _rank_laws(rank: int, world: int) -> dict:
         inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
         sync = LocalSteps(model, inner, sync_every=2, decay=decay, compact=compact)
         logs: list[list] = [[] for _ in sync.encoders]
-        for enc, log in zip(sync.encoders, logs, strict=True):
-            _record(enc, log)
+        for i, log in enumerate(logs):
+            _record(sync, i, log)
         hashes, residuals = [], []
         for step, batch in enumerate(batches):
             _train(model, inner, [batch])

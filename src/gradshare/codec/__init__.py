@@ -58,6 +58,9 @@ from gradshare.codec.messages import (
     check_vector as check_vector,
 )
 from gradshare.codec.messages import (
+    decay_add_ as decay_add_,
+)
+from gradshare.codec.messages import (
     find_nonfinite as find_nonfinite,
 )
 from gradshare.codec.messages import (
@@ -65,9 +68,6 @@ from gradshare.codec.messages import (
 )
 from gradshare.codec.messages import (
     nonfinite_error as nonfinite_error,
-)
-from gradshare.codec.messages import (
-    scale_keeping_ as scale_keeping_,
 )
 from gradshare.codec.messages import (
     serial_kernels as serial_kernels,
@@ -107,4 +107,4 @@ __all__ = [
 ]
 # Also here, for gradshare's own modules (not public API): Workspace, serial_kernels, the
 # check_* helpers, float32_threshold, shares_memory, find_nonfinite, nonfinite_error and its
-# NonFiniteUpdate, subtract_ and scale_keeping_ (LocalSteps' fused passes).
+# NonFiniteUpdate, subtract_ and decay_add_ (LocalSteps' fused passes).

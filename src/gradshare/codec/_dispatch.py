@@ -161,13 +161,20 @@ def take_update_(
     return _torch_paths.take_update_(before, after, out, restore, plus)
 
 
-def scale_keeping_(x: torch.Tensor, factor: float, backup: torch.Tensor) -> None:
-    """``backup = x`` and ``x *= factor``."""
-    if on_kernels(x) and x.numel():
-        launch("scale_keeping", array(x), scalar(factor, x), array(backup))
-    else:
-        backup.copy_(x)
-        x.mul_(factor)
+def decay_add_(
+    residual: torch.Tensor, factor: float, backup: torch.Tensor, before: torch.Tensor,
+    after: torch.Tensor, plus: torch.Tensor | None, out: torch.Tensor | None,
+) -> int:  # fmt: skip
+    """``backup = residual``, ``d = (before + plus) - after`` (into ``out`` if given) and
+    ``residual = residual * factor + d``; the non-finite count of the new residual."""
+    if on_kernels(residual) and residual.numel():
+        counts = np.zeros(kernels().num_chunks(residual.numel()), np.int64)
+        r, b = array(residual), array(before)
+        launch("decay_add", r, scalar(factor, residual), array(backup), b,
+               b if plus is None else array(plus), plus is not None, array(after),
+               r if out is None else array(out), out is not None, counts)  # fmt: skip
+        return int(counts.sum())
+    return _torch_paths.decay_add_(residual, factor, backup, before, after, plus, out)
 
 
 # --------------------------------------------------------------------------- decode

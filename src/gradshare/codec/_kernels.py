@@ -117,18 +117,53 @@ def take_update(before, plus, has_plus, after, out, restore, counts):  # pragma:
 
 
 @njit(**_OPTS)
-def scale_keeping(x, factor, backup):  # pragma: no cover - compiled
-    """``backup = x`` and ``x *= factor``, in one pass."""
-    n = x.size
-    for c in prange((n + CHUNK - 1) // CHUNK):
+def decay_add(r, factor, backup, before, plus, has_plus, after, out, has_out, counts):
+    """``backup = r``, ``d = (before + plus) - after`` (``before - after`` without
+    ``has_plus``; into ``out`` with ``has_out``) and ``r = r * factor + d``, counting per chunk
+    the non-finite elements of the new ``r`` into ``counts``: one pass over the arrays, where
+    a difference, a decay and an add would take three.
+
+    No fastmath here: each element sees the same IEEE operations, in the same order, as
+    torch's ``add``, ``sub``, ``mul`` then ``add``; only the count (:func:`_nonfinite_in`)
+    reassociates. ``r`` is finite before, so a non-finite ``d`` leaves its element non-finite.
+    """
+    n = r.size
+    for c in prange(counts.size):
         lo = c * CHUNK
         hi = min(lo + CHUNK, n)
-        xs = x[lo:hi]
-        bs = backup[lo:hi]
-        for j in range(hi - lo):
-            v = xs[j]
-            bs[j] = v
-            xs[j] = v * factor
+        rs = r[lo:hi]
+        ks = backup[lo:hi]
+        b = before[lo:hi]
+        a = after[lo:hi]
+        q = plus[lo:hi]
+        o = out[lo:hi]
+        if has_plus and has_out:
+            for j in range(hi - lo):
+                d = (b[j] + q[j]) - a[j]
+                o[j] = d
+                v = rs[j]
+                ks[j] = v
+                rs[j] = v * factor + d
+        elif has_plus:
+            for j in range(hi - lo):
+                d = (b[j] + q[j]) - a[j]
+                v = rs[j]
+                ks[j] = v
+                rs[j] = v * factor + d
+        elif has_out:
+            for j in range(hi - lo):
+                d = b[j] - a[j]
+                o[j] = d
+                v = rs[j]
+                ks[j] = v
+                rs[j] = v * factor + d
+        else:
+            for j in range(hi - lo):
+                d = b[j] - a[j]
+                v = rs[j]
+                ks[j] = v
+                rs[j] = v * factor + d
+        counts[c] = _nonfinite_in(rs)
 
 
 _bitmap_add = make_bitmap_superblock(True, SUPER)
@@ -780,7 +815,7 @@ def _serial_twin(kernel):  # pragma: no cover - runs at import of this module
 PARALLEL = {
     k.py_func.__name__: k
     for k in (
-        count_nonfinite, take_update, scale_keeping, scan, undo, emit_sparse,
+        count_nonfinite, take_update, decay_add, scan, undo, emit_sparse,
         encode_bitmap, first_bad_entry, decode_sparse, decode_bitmap, decode_sum,
         sent_magnitudes, bitmap_magnitudes, encode_bitmap_step,
     )

@@ -79,6 +79,20 @@ def take_update_(
     return count_nonfinite(out)
 
 
+def decay_add_(
+    residual: torch.Tensor, factor: float, backup: torch.Tensor, before: torch.Tensor,
+    after: torch.Tensor, plus: torch.Tensor | None, out: torch.Tensor | None,
+) -> int:  # fmt: skip
+    """``backup = residual``, ``d = (before + plus) - after`` (into ``out`` if given) and
+    ``residual = residual * factor + d``; the non-finite count of the new residual."""
+    d = torch.sub(before, after) if plus is None else torch.add(before, plus).sub_(after)
+    if out is not None:
+        out.copy_(d)
+    backup.copy_(residual)
+    residual.mul_(factor).add_(d)
+    return count_nonfinite(residual)
+
+
 # --------------------------------------------------------------------------- encode
 
 

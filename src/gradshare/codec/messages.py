@@ -292,14 +292,31 @@ def subtract_(
     return _dispatch.take_update_(before, after, out, False, plus)
 
 
-def scale_keeping_(x: torch.Tensor, factor: float, backup: torch.Tensor) -> None:
-    """``backup = x``, then ``x *= factor`` (in one pass on CPU)."""
-    if backup.shape != x.shape or backup.dtype != x.dtype or backup.device != x.device:
-        raise ValueError(
-            f"Expect `backup` like `x` ({x.dtype}, {tuple(x.shape)}, {x.device}), got "
-            f"{backup.dtype}, {tuple(backup.shape)}, {backup.device}."
-        )
-    _dispatch.scale_keeping_(x, factor, backup)
+def decay_add_(
+    residual: torch.Tensor, factor: float, backup: torch.Tensor, before: torch.Tensor,
+    after: torch.Tensor, *, plus: torch.Tensor | None = None, out: torch.Tensor | None = None,
+) -> int:  # fmt: skip
+    """``backup = residual``, then ``residual = residual * factor + d`` with the difference
+    ``d = (before + plus) - after`` (``before - after`` without ``plus``; also written to
+    ``out`` when given), rounded as torch's ``add``, ``sub``, ``mul`` and ``add`` round them;
+    the number of non-finite elements of the new residual.
+
+    Error feedback with decay in one pass over the vectors on CPU, the count included: the
+    caller encodes the residual with ``Encoder.encode(None, ...)``, and puts ``backup`` back
+    when the round fails (a non-finite ``d`` makes its element of the residual non-finite).
+    """
+    for name, x in (("backup", backup), ("before", before), ("after", after), ("plus", plus),
+                    ("out", out)):  # fmt: skip
+        if x is not None and (
+            x.shape != residual.shape or x.dtype != residual.dtype
+            or x.device != residual.device
+        ):  # fmt: skip
+            raise ValueError(
+                f"Expect `{name}` like `residual` ({residual.dtype}, "
+                f"{tuple(residual.shape)}, {residual.device}), got {x.dtype}, "
+                f"{tuple(x.shape)}, {x.device}."
+            )
+    return _dispatch.decay_add_(residual, factor, backup, before, after, plus, out)
 
 
 # --------------------------------------------------------------------------- encode

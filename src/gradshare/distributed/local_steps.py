@@ -343,18 +343,22 @@ class LocalSteps:
             self.options.encoder(self._algorithm()) for _ in self.params
         ]  # fmt: skip
         """Per parameter: its residual and threshold state (none for dense syncs)."""
-        self._delta = torch.zeros(self.numel, dtype=torch.float32, device=self.home)
-        self._mean = torch.zeros_like(self._delta)
+        f32, home = torch.float32, self.home
+        self._delta = torch.zeros(self.numel if self.dense or self.overlap else 0, dtype=f32,
+                                  device=home)  # fmt: skip
+        """Δ of the fragment being synced, kept for dense syncs (their message) and for
+        ``overlap`` (a failed round takes it again); encoded syncs add Δ into the residuals
+        in the pass that computes it, and keep none."""
+        self._mean = torch.zeros(self.numel, dtype=f32, device=home)
         largest = max(part.numel for part in self._parts)
-        self._backup = torch.empty(0 if self.dense else largest, dtype=torch.float32,
-                                   device=self.home)  # fmt: skip
-        """The residuals of the fragment being synced as they were before its encode, while
-        its round may still fail (one round is in flight at most)."""
+        self._backup = torch.empty(0 if self.dense else largest, dtype=f32, device=home)
+        """The residuals of the fragment being synced as they were before its Δ was added,
+        while its round may still fail (one round is in flight at most)."""
         self._round = InFlightRound(self.device) if self.overlap else None
         """With ``overlap``: the round whose exchange runs in the background."""
         self._flight: int | None = None
         """With ``overlap``: the fragment whose round is in flight or waits for its merge."""
-        self._base = torch.zeros_like(self._delta) if self.overlap else None
+        self._base = torch.zeros_like(self._mean) if self.overlap else None
         """With ``overlap``, flat float32: for the fragment whose round is in flight (or whose
         mean waits for the merge), this replica's parameters at its send; elsewhere the next
         round's start less the global copy (the carry)."""
@@ -481,10 +485,15 @@ class LocalSteps:
             status = _OK if bad < 0 else _NONFINITE
         except Exception as e:
             status, failure = _FAILED, e
-        table = self._header_exchange("sync", status, bad)
-        if failure is not None:
-            raise failure
-        self._check_status(table)
+        try:
+            table = self._header_exchange("sync", status, bad)
+            if failure is not None:
+                raise failure
+            self._check_status(table)
+        except BaseException:
+            if failure is None:  # Δ went into the residuals: they go back
+                self._restore_residuals(part)
+            raise
         if self._round is not None:
             self._overlapped_sync(part)
             return
@@ -591,38 +600,58 @@ class LocalSteps:
             self.dense_bytes += 4 * (self.numel if flight is None else self._parts[flight].numel)
 
     def _compute_delta(self, part: _Fragment) -> int:
-        """Δ = start - local into the float32 buffer, for ``part``'s parameters; the index of
-        the first parameter whose Δ is not finite (-1 when all are). The start is the global
+        """Δ = start - local for ``part``'s parameters, in float32; the index of the first
+        parameter whose Δ is not finite (-1 when all are). Encoded syncs add it into each
+        residual as it decays (residual = β·residual + Δ, the old residual kept in
+        ``_backup``), in the one pass that computes it; dense syncs and ``overlap`` keep it in
+        ``_delta``. If this raises, every residual is as it was. The start is the global
         copy; with overlap, plus ``_base`` (the carry), or ``_base`` itself when the last
         round's mean waits for its merge (τ = ``sync_every``: where that round was sent from,
         the lead included)."""
-        bad = -1
+        bad, done = -1, 0
         n = part.last - part.first
-        base = self._pieces(self._base, part) if self._base is not None else [None] * n
         sent_from = self._round is not None and self._round.received
-        for i, g, p, d, b in zip(range(part.first, part.last), self._globals(part),
-                                 self._params(part), self._pieces(None, part), base,
-                                 strict=True):  # fmt: skip
-            local = p.detach().to(self.home).reshape(-1)
-            start = g.reshape(-1)
-            if g.dtype == local.dtype == torch.float32:  # one pass, the check included
-                if b is None:
-                    nonfinite = codec.subtract_(start, local, d)
-                elif sent_from:
-                    nonfinite = codec.subtract_(b, local, d)
-                else:
+        none: list[Any] = [None] * n
+        base = none if self._base is None else self._pieces(self._base, part)
+        deltas = self._pieces(None, part) if self._delta.numel() else none
+        encoders = none if self.dense else self._encoders(part)
+        keeps = (
+            none if self.dense else slices(self._backup, (p.numel() for p in self._params(part)))
+        )
+        try:
+            for i, g, p, d, b, enc, keep in zip(range(part.first, part.last),
+                                                self._globals(part), self._params(part),
+                                                deltas, base, encoders, keeps,
+                                                strict=True):  # fmt: skip
+                local = p.detach().to(self.home, torch.float32).reshape(-1)
+                start = g.reshape(-1).to(torch.float32)
+                if sent_from:  # the start is where that round was sent from
+                    start, b = b, None
+                if enc is None:
                     nonfinite = codec.subtract_(start, local, d, plus=b)
-            else:  # in float32
-                if b is None:
-                    d.copy_(start).sub_(local)
-                elif sent_from:
-                    torch.sub(b, local, out=d)
                 else:
-                    torch.add(start, b, out=d).sub_(local)
-                nonfinite = codec.find_nonfinite(d)[0]
-            if bad < 0 and nonfinite:
-                bad = i
+                    if enc.residual is None:
+                        enc.residual = torch.zeros_like(local)
+                    nonfinite = codec.decay_add_(enc.residual, self.decay, keep, start, local,
+                                                 plus=b, out=d)  # fmt: skip
+                    done += 1
+                if bad < 0 and nonfinite:
+                    bad = i
+        except BaseException:
+            self._restore_residuals(part, done)
+            raise
         return bad
+
+    def _restore_residuals(self, part: _Fragment, count: int | None = None) -> None:
+        """The residuals of ``part``'s first ``count`` parameters (all) back from
+        ``_backup``, as they were before :meth:`_compute_delta`."""
+        if self.dense:
+            return
+        sizes = [p.numel() for p in self._params(part)]
+        for enc, keep in zip(self._encoders(part)[:count], slices(self._backup, sizes),
+                             strict=False):  # fmt: skip
+            assert enc.residual is not None
+            enc.residual.copy_(keep)
 
     def _pieces(
         self, flat: torch.Tensor | None = None, part: _Fragment | None = None
@@ -676,27 +705,24 @@ class LocalSteps:
     def _encode(
         self, part: _Fragment
     ) -> tuple[torch.Tensor | None, Exception | None, list[dict[str, Any]]]:
-        """Steps 2-3 for ``part``: decay and encode Δ into this rank's message (its
-        parameters' pieces back to back). Returns the message, the error if encoding failed,
-        and every encoder's state from before (a sync that fails puts it back)."""
+        """Step 3 for ``part``: encode each residual (step 2, β·residual + Δ, was
+        :meth:`_compute_delta`'s) into this rank's message (its parameters' pieces back to
+        back). Returns the message, the error if encoding failed, and every encoder's state
+        from before this sync (a sync that fails puts it back)."""
         sizes = [p.numel() for p in self._params(part)]
         encoders = self._encoders(part)
         sent: list[tuple[torch.Tensor | None, float]] = []
         mine, failure = None, None
-        # what each encoder holds now: a sync that fails puts it back whole (the decay, the
-        # encoded Δ and the threshold state), since the replicas keep their moves for the next;
-        # the residuals go to `_backup` (in the pass that decays them), the rest to `before`
+        # what each encoder held before this sync: one that fails puts it back whole (the
+        # decay, Δ, what was encoded and the threshold state), since the replicas keep their
+        # moves for the next; the residuals are in `_backup` (from _compute_delta's pass that
+        # decayed them and added Δ), the rest goes to `before`
         before = [enc.state_dict(residual=False) for enc in encoders]
         try:
-            for enc, d, state, keep in zip(encoders, self._pieces(None, part), before,
-                                           slices(self._backup, sizes), strict=True):  # fmt: skip
-                if enc.residual is not None:
-                    state["residual"] = keep
-                    if self.decay != 1.0:  # β·residual, inside the encoder's books
-                        codec.scale_keeping_(enc.residual, self.decay, keep)
-                    else:
-                        keep.copy_(enc.residual)
-                message = enc.encode(d, self.syncs, finite=True)
+            for enc, state, keep in zip(encoders, before, slices(self._backup, sizes),
+                                        strict=True):  # fmt: skip
+                state["residual"] = keep
+                message = enc.encode(None, self.syncs)
                 if self.compact and message is not None:
                     message = codec.compact_message(message)
                 assert enc.last_stats is not None

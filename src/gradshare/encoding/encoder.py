@@ -142,13 +142,16 @@ class Encoder:
         return self._staging.copy_(flat)
 
     def encode(
-        self, update: torch.Tensor, iteration: int, epoch: int = 0, *, finite: bool = False
-    ) -> torch.Tensor | None:
+        self, update: torch.Tensor | None, iteration: int, epoch: int = 0, *,
+        finite: bool = False,
+    ) -> torch.Tensor | None:  # fmt: skip
         """Add ``update`` into the residual and return this step's message (or None).
 
         Args:
             update: any-shape floating tensor with as many elements as the residual; the first
-                call fixes that size and the device.
+                call fixes that size and the device. None: the residual already holds this
+                step's update (the caller added it, as :func:`gradshare.codec.decay_add_`
+                does, in the pass that computes it), and is encoded as it is.
             iteration: the step number (drives the threshold algorithm and clipping frequency).
             epoch: the epoch number, passed through to the algorithms.
             finite: the caller already checked that ``update`` is finite
@@ -162,11 +165,17 @@ class Encoder:
             ValueError: the update has non-finite values (the residual is left unchanged), no
                 elements, or the wrong number of elements.
         """
-        u = self._prepare(update)
-        if not (finite and u.dtype == update.dtype):  # a cast to float32 may overflow
-            _check_finite(u)
+        u = None
+        if update is not None:
+            u = self._prepare(update)
+            if not (finite and u.dtype == update.dtype):  # a cast to float32 may overflow
+                _check_finite(u)
         residual = self.residual
-        assert residual is not None
+        if residual is None:
+            raise ValueError(
+                "Expect an `update` at this encoder's first call: `update=None` encodes the "
+                "residual as it is, and there is none yet. Pass the update, or set `residual`."
+            )
         n = residual.numel()
         if self.algorithm.samples:
             self.algorithm.observe(_sample(residual, u, self.algorithm.samples, iteration))
@@ -268,15 +277,15 @@ class Encoder:
             self.residual.copy_(residual)
 
 
-def _sample(residual: torch.Tensor, u: torch.Tensor, k: int, iteration: int) -> torch.Tensor:
-    """``|residual + u|`` at about ``k`` evenly spread elements (all when N <= k), starting at
-    an offset that moves with ``iteration`` (so no element is always skipped)."""
+def _sample(residual: torch.Tensor, u: torch.Tensor | None, k: int, iteration: int) -> torch.Tensor:
+    """``|residual + u|`` (``|residual|`` without ``u``) at about ``k`` evenly spread elements
+    (all when N <= k), starting at an offset that moves with ``iteration`` (so no element is
+    always skipped)."""
     n = residual.numel()
-    if n <= k:
-        return (residual + u).abs()
-    stride = n // k
-    start = (iteration * 7919) % stride
-    return (residual[start::stride] + u[start::stride]).abs()
+    stride = 1 if n <= k else n // k
+    start = 0 if n <= k else (iteration * 7919) % stride
+    picked = residual[start::stride]
+    return (picked if u is None else picked + u[start::stride]).abs()
 
 
 def _check_finite(u: torch.Tensor) -> None:
