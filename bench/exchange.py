@@ -24,8 +24,9 @@ with the settings a user gets by default:
   sync_every=10)`` with its defaults, with ``overlap=True`` (merged at the next sync) and
   with ``overlap=τ`` (merged τ steps after its sync; τ 1, 2 or 5), ``local-f5-overlap{τ}``
   with ``fragments=5`` too (each fifth of the model synced in turn), ``local-d2-f5-overlap2``
-  with ``density=0.02`` too, ``-c`` after any of them with ``compact=True`` (no DDP); timed over
-  whole rounds of 10 steps, each ending with its sync, after one untimed round;
+  with ``density=0.02`` too, ``-c`` after any of them with ``compact=True``,
+  ``local-h30-f5-overlap2[-c]`` with ``sync_every=30`` (no DDP); timed over whole rounds of
+  ``sync_every`` steps, each ending with its sync, after one untimed round;
   ``ms/step`` is their mean, not the median;
 
 and ``compute``: the same forward, backward and optimizer step with no exchange at all
@@ -40,7 +41,8 @@ random rows per rank.
 
 Warm-up before timing: 2 steps for dense and fp16, 3 for PowerSGD (its start), 10 for
 gradshare (what any run passes through in its first seconds; the default adaptive threshold
-starts at 1e-3 and keeps adapting). Then up to ``--steps`` timed steps, at most 60 s per
+starts at 1e-3 and keeps adapting; for the local methods, their first round). Then up to
+``--steps`` timed steps (the local methods: whole rounds, at least 2), at most 60 s per
 method (at least 2 steps). ``ms/step`` is the median over the timed steps of the slowest
 rank; ``exchange`` is ``ms/step`` minus ``compute`` and ``share`` its fraction of the step;
 ``bytes/step`` is what one rank contributes per step (its messages, or its share of the
@@ -96,19 +98,19 @@ METHODS = ["compute", "dense", "fp16", "powersgd-1", "powersgd-4", "hook", "hook
            "local", "local-overlap", "local-overlap1", "local-overlap2",
            "local-overlap5", "local-f5-overlap2", "local-f5-overlap1",
            "local-d2-f5-overlap2", "local-c", "local-f5-overlap2-c",
-           "local-f5-overlap1-c"]  # fmt: skip
+           "local-f5-overlap1-c", "local-h30-f5-overlap2", "local-h30-f5-overlap2-c"]  # fmt: skip
 LOCAL_METHOD = re.compile(
-    r"^local(-d(?P<pct>[\d.]+))?(-f(?P<frags>\d+))?(-overlap(?P<tau>\d+)?)?(?P<compact>-c)?$"
+    r"^local(-h(?P<h>\d+))?(-d(?P<pct>[\d.]+))?(-f(?P<frags>\d+))?(-overlap(?P<tau>\d+)?)?"
+    r"(?P<compact>-c)?$"
 )
-"""``local[-d{pct}][-f{p}][-overlap[τ]][-c]``: density pct %, p fragments, overlap τ (True
-bare), compact messages."""
+"""``local[-h{H}][-d{pct}][-f{p}][-overlap[τ]][-c]``: sync_every H (default
+:data:`LOCAL_H`), density pct %, p fragments, overlap τ (True bare), compact messages."""
 LOCAL_H = 10
-"""``sync_every`` of the ``local`` methods."""
+"""``sync_every`` of the ``local`` methods without ``-h``."""
 MODELS = ["gpt", "square"]
 LAYERS = 5
 WARMUP = {"dense": 2, "fp16": 2, "powersgd-1": 3, "powersgd-4": 3, "hook": 10, "hook-1%": 10,
           "shared": 10, "compute": 2}  # fmt: skip
-WARMUP.update({m: LOCAL_H for m in METHODS if m.startswith("local")})
 BUDGET_S = 60.0
 """Most seconds of timed steps per method (at least 2 steps are timed)."""
 RATES = ["none", "1gbit", "100mbit"]
@@ -192,12 +194,14 @@ def _method(method: str, rank: int, world: int, model: str, numel: int, steps: i
     elif method == "shared":
         opt = gradshare.SharedOptimizer(opt)
     local = None
+    every = 0  # sync_every of a local method
     if method.startswith("local"):
         m = LOCAL_METHOD.match(method)
         assert m is not None, method
+        every = int(m["h"] or LOCAL_H)
         overlap = (int(m["tau"]) if m["tau"] else True) if "-overlap" in method else False
         extra = {"density": float(m["pct"]) / 100} if m["pct"] else {}
-        local = gradshare.LocalSteps(net, opt, sync_every=LOCAL_H, overlap=overlap,
+        local = gradshare.LocalSteps(net, opt, sync_every=every, overlap=overlap,
                                      fragments=int(m["frags"] or 1), compact=bool(m["compact"]),
                                      **extra)  # fmt: skip
     sent0 = [0]
@@ -218,8 +222,8 @@ def _method(method: str, rank: int, world: int, model: str, numel: int, steps: i
         times = timed_steps(step, steps=steps, warmup=WARMUP[method], budget_s=BUDGET_S,
                             at_warmup=at_warmup)  # fmt: skip
     else:  # whole rounds, each ending with its sync, after a first round (and sync) untimed
-        rounds = max(2, -(-steps // LOCAL_H))
-        times = timed_steps(step, steps=rounds * LOCAL_H, warmup=WARMUP[method],
+        rounds = max(2, -(-steps // every))
+        times = timed_steps(step, steps=rounds * every, warmup=every,
                             budget_s=float("inf"), at_warmup=at_warmup)  # fmt: skip
         spent = [1e3 * (local.sync_seconds - spent0[0]) / len(times),
                  1e3 * (local.wait_seconds - spent0[1]) / len(times)]  # fmt: skip
@@ -237,13 +241,13 @@ def _method(method: str, rank: int, world: int, model: str, numel: int, steps: i
     elif local is not None:  # bytes of the rounds whose exchange completed while timed
         sent = (local.bytes_sent - sent0[0]) / len(times)
         if not local.compact:  # DL4J's: 4 bytes per entry
-            density = max(sent * LOCAL_H / 4 - 4 * len(params), 0) / n
+            density = max(sent * every / 4 - 4 * len(params), 0) / n
     else:
         total = state.bytes_sent if state is not None else opt.bytes_sent  # type: ignore[attr-defined]
         sent = (total - sent0[0]) / len(times)
         messages = len(state.encoders) if state is not None else 1
         density = max(sent / 4 - 4 * messages, 0) / n  # sparse: entries plus a header each
-    # the local methods' steps differ by design (a sync every LOCAL_H-th): their mean over
+    # the local methods' steps differ by design (a sync every H-th): their mean over
     # whole rounds; every other method's steps are alike: their median
     ms = (statistics.mean(times) if local is not None else statistics.median(times)) * 1e3
     row = {"method": method, "numel": n, "ms": ms, "bytes": sent, "density": density,
