@@ -6,6 +6,7 @@ run on every rank and return what the test asserts on.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -530,6 +531,22 @@ def _rank_float64(rank: int, world: int) -> dict:
     except ValueError as e:
         out["nan"] = str(e)
     sync.close()
+    # encoded: Δ in float32 into each residual; a NaN at the next sync puts them back
+    model = toy_model(seed=rank).double()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    armed = _poison(inner, model[0].bias, (1,), rank == 1)  # type: ignore[index]
+    sync = LocalSteps(model, inner, sync_every=2, timeout=20)
+    _train(model, inner, batches[:2])  # the second step ends with the sync
+    out["encoded"] = flat(model)
+    residuals = [e.residual.clone() for e in sync.encoders]  # type: ignore[union-attr]
+    _train(model, inner, batches[2:3])
+    armed.append(True)
+    with contextlib.suppress(ValueError):
+        _train(model, inner, batches[3:4])
+    out["residuals kept"] = all(
+        torch.equal(r, e.residual) for r, e in zip(residuals, sync.encoders, strict=True)
+    )
+    sync.close()
     return out
 
 
@@ -590,9 +607,10 @@ class TestRefusals:
 
 
 def test_a_float64_model_syncs_and_its_nan_is_named(refusals: list[dict]) -> None:
-    """The Δ of a parameter that is not float32 is computed in float32 and counted for
-    non-finite values apart from the one-pass kernel: the dense sync still lands on the mean
-    of the replicas (to float32's rounding), and a NaN names its parameter on both ranks."""
+    """The Δ of a parameter that is not float32 is computed in float32 (the one-pass
+    kernels on float32 copies): the dense sync still lands on the mean of the replicas (to
+    float32's rounding), a NaN names its parameter on both ranks, and encoded syncs leave
+    the replicas alike and, at a NaN, every residual as it was."""
     runs = [r["float64"] for r in refusals]
     mean = sum(r["local"] for r in runs) / len(runs)
     for r in runs:
@@ -601,6 +619,11 @@ def test_a_float64_model_syncs_and_its_nan_is_named(refusals: list[dict]) -> Non
     assert torch.equal(runs[0]["after"], runs[1]["after"])
     assert runs[0]["nan"] == runs[1]["nan"]
     assert "rank 1 in parameter '0.bias'" in runs[0]["nan"], runs[0]["nan"]
+    # encoded syncs too: the replicas alike after a sync, the residuals as they were
+    # after a NaN at the next
+    assert runs[0]["encoded"].dtype == torch.float64
+    assert torch.equal(runs[0]["encoded"], runs[1]["encoded"])
+    assert all(r["residuals kept"] for r in runs)
 
 
 def test_grad_scaler_skipped_step_still_syncs_in_step(refusals: list[dict]) -> None:
