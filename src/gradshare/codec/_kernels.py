@@ -137,32 +137,13 @@ def decay_add(r, factor, backup, before, plus, has_plus, after, out, has_out, co
         a = after[lo:hi]
         q = plus[lo:hi]
         o = out[lo:hi]
-        if has_plus and has_out:
-            for j in range(hi - lo):
-                d = (b[j] + q[j]) - a[j]
+        for j in range(hi - lo):  # the flags are loop-invariant: LLVM unswitches them
+            d = ((b[j] + q[j]) if has_plus else b[j]) - a[j]
+            if has_out:
                 o[j] = d
-                v = rs[j]
-                ks[j] = v
-                rs[j] = v * factor + d
-        elif has_plus:
-            for j in range(hi - lo):
-                d = (b[j] + q[j]) - a[j]
-                v = rs[j]
-                ks[j] = v
-                rs[j] = v * factor + d
-        elif has_out:
-            for j in range(hi - lo):
-                d = b[j] - a[j]
-                o[j] = d
-                v = rs[j]
-                ks[j] = v
-                rs[j] = v * factor + d
-        else:
-            for j in range(hi - lo):
-                d = b[j] - a[j]
-                v = rs[j]
-                ks[j] = v
-                rs[j] = v * factor + d
+            v = rs[j]
+            ks[j] = v
+            rs[j] = v * factor + d
         counts[c] = _nonfinite_in(rs)
 
 

@@ -615,9 +615,7 @@ class LocalSteps:
         base = none if self._base is None else self._pieces(self._base, part)
         deltas = self._pieces(None, part) if self._delta.numel() else none
         encoders = none if self.dense else self._encoders(part)
-        keeps = (
-            none if self.dense else slices(self._backup, (p.numel() for p in self._params(part)))
-        )
+        keeps = none if self.dense else self._backups(part)
         try:
             for i, g, p, d, b, enc, keep in zip(range(part.first, part.last),
                                                 self._globals(part), self._params(part),
@@ -647,11 +645,13 @@ class LocalSteps:
         ``_backup``, as they were before :meth:`_compute_delta`."""
         if self.dense:
             return
-        sizes = [p.numel() for p in self._params(part)]
-        for enc, keep in zip(self._encoders(part)[:count], slices(self._backup, sizes),
-                             strict=False):  # fmt: skip
+        for enc, keep in zip(self._encoders(part)[:count], self._backups(part), strict=False):
             assert enc.residual is not None
             enc.residual.copy_(keep)
+
+    def _backups(self, part: _Fragment) -> Iterator[torch.Tensor]:
+        """``_backup`` cut into ``part``'s parameters' pieces (it holds one fragment)."""
+        return slices(self._backup, (p.numel() for p in self._params(part)))
 
     def _pieces(
         self, flat: torch.Tensor | None = None, part: _Fragment | None = None
@@ -719,8 +719,7 @@ class LocalSteps:
         # decayed them and added Δ), the rest goes to `before`
         before = [enc.state_dict(residual=False) for enc in encoders]
         try:
-            for enc, state, keep in zip(encoders, before, slices(self._backup, sizes),
-                                        strict=True):  # fmt: skip
+            for enc, state, keep in zip(encoders, before, self._backups(part), strict=True):
                 state["residual"] = keep
                 message = enc.encode(None, self.syncs)
                 if self.compact and message is not None:
