@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -864,3 +865,58 @@ class TestUseKernels:
             f"Expect GRADSHARE_KERNELS to be 0 (torch ops only) or 1 (the default), got {value!r}"
         )
         assert want in done.stderr
+
+
+class TestDensePiece:
+    """Format 3, gradshare's own: the float32 values themselves, for a vector too small for a
+    threshold message. Exact bytes, validated whole, and every decoder reads it alike on the
+    kernels and on the torch path."""
+
+    def test_exact_bytes_and_the_residual_sent_whole(self) -> None:
+        residual = torch.tensor([1.5, -2.0, 0.0])
+        message = codec.encode_dense_(residual)
+        assert message.tolist() == [3, 3, 0, 3, 1069547520, -1073741824, 0]
+        assert torch.equal(bits(residual), bits(torch.zeros(3)))
+        info = message_info(message)
+        assert (info.format_name, info.num_entries, info.numel, info.threshold) == (
+            "dense", 2, 3, 0.0)  # fmt: skip
+        assert info.nbytes == 4 * codec.dense_length(3) == 28
+
+    @pytest.mark.parametrize("path", [contextlib.nullcontext, torch_path])
+    def test_every_decoder_adds_the_values(self, path: Callable[[], object]) -> None:
+        from gradshare.codec import multipart
+
+        a = torch.tensor([0.1, -3.0, 2.5e-8])
+        b = torch.tensor([0.2, 1.0, -1e30])
+        ma, mb = codec.encode_dense_(a.clone()), codec.encode_dense_(b.clone())
+        with path():  # type: ignore[attr-defined]
+            assert torch.equal(decode_(ma, torch.ones(3)), torch.ones(3) + a)
+            out = torch.full((3,), 7.0)
+            codec.decode_sum_([ma, mb], out, divisor=3)
+            assert torch.equal(bits(out), bits((a + b) / 3))
+            params = torch.ones(3)
+            codec.subtract_sum_([ma, None, mb], params, torch.zeros(3), divisor=2)
+            assert torch.equal(bits(params), bits(torch.ones(3) - (a + b) / 2))
+            pieces = multipart.split_message(torch.cat([ma, mb]), [3, 3], "rank 1", ["a", "b"])
+            assert all(torch.equal(p, m) for p, m in zip(pieces, (ma, mb), strict=True))
+
+    def test_faults_are_named_and_nothing_is_written(self) -> None:
+        good = codec.encode_dense_(torch.tensor([1.0, 2.0]))
+        nan = good.clone()
+        nan[5] = torch.tensor([float("nan")]).view(torch.int32)
+        cases = {
+            "holds a non-finite value at element 1": nan,
+            "Dense header must be [N, N, 0, 3]": torch.cat([good, good[-1:]]),
+            "got [2, 2, 5, 3]": good.clone().index_fill_(0, torch.tensor([2]), 5),
+        }
+        for text, message in cases.items():
+            target = torch.ones(2)
+            with pytest.raises(MessageError, match=re.escape(text)):
+                decode_(message, target)
+            with pytest.raises(MessageError, match=re.escape(text)):
+                codec.check_message(message, 2)
+            assert torch.equal(target, torch.ones(2))
+        with pytest.raises(MessageError, match="vector has 3"):
+            decode_(good, torch.zeros(3))
+        with pytest.raises(ValueError, match="non-finite"):
+            codec.encode_dense_(torch.tensor([1.0, float("inf")]))

@@ -16,6 +16,7 @@ from gradshare import (
     QuantileThreshold,
     ResidualClipping,
     TargetDensityThreshold,
+    codec,
     decode_,
     message_info,
     optimal_buffer_size,
@@ -448,3 +449,21 @@ class TestMeanMagnitude:
             )
         assert a.residual is not None and b.residual is not None
         assert torch.equal(a.residual, b.residual)
+
+
+def test_encode_whole_sends_the_residual_and_the_update_exactly() -> None:
+    """A vector too small for threshold messages (a scalar never has 2 entries to cross)
+    is sent whole: what left the residual is what the dense piece decodes to, bit for bit;
+    the threshold algorithm is not asked."""
+    from gradshare.encoding.threshold import QuantileThreshold, sends_whole
+
+    enc = Encoder(QuantileThreshold(0.04))
+    assert enc.encode(torch.tensor([0.25]), iteration=0) is None  # DL4J's rule: none, ever
+    message = enc.encode_whole(torch.tensor([0.5]), iteration=1)
+    assert codec.decode_(message, torch.zeros(1)).item() == 0.75
+    assert enc.residual is not None and enc.residual.tolist() == [0.0]
+    stats = enc.last_stats
+    assert stats is not None and (stats.format, stats.entries, stats.threshold) == ("dense", 1, 0)
+    assert enc.algorithm.state_dict()["last_threshold"] is not None  # from encode(), kept
+    assert [sends_whole(QuantileThreshold(0.04), n) for n in (1, 37, 38)] == [True, True, False]
+    assert [sends_whole(FixedThreshold(1.0), n) for n in (15, 16)] == [True, False]

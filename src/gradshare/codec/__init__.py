@@ -9,6 +9,8 @@ What lives here:
   entry, an option; lossless), made by ``compact_message`` and read back by
   ``expand_message`` and every decoder.
 - :mod:`~gradshare.codec.multipart`: several vectors' messages sent back to back as one.
+- ``encode_dense_``: a dense piece (format 3, gradshare's own), the float32 values
+  themselves, for a vector too small for a threshold message.
 - private: ``_format`` (layout constants), ``_workspace`` (the encode workspace),
   ``_dispatch`` (kernel or torch path), ``_kernels`` / ``_intrinsics`` (numba, compiled on
   first use), ``_torch_paths`` (the same steps as torch ops), ``_flat`` (views of a flat
@@ -22,6 +24,7 @@ from gradshare.codec.compact_form import compact_length, compact_message, expand
 from gradshare.codec.messages import (
     BITMAP_ENCODING,
     COMPACT_ENCODING,
+    DENSE_ENCODING,
     FLEXIBLE_ENCODING,
     HEADER_WORDS,
     MAGNITUDES,
@@ -32,7 +35,9 @@ from gradshare.codec.messages import (
     check_message,
     decode_,
     decode_sum_,
+    dense_length,
     encode_bitmap_,
+    encode_dense_,
     encode_sparse_,
     kernels_enabled,
     mean_magnitude,
@@ -82,6 +87,7 @@ from gradshare.codec.messages import (
 __all__ = [
     "BITMAP_ENCODING",
     "COMPACT_ENCODING",
+    "DENSE_ENCODING",
     "FLEXIBLE_ENCODING",
     "HEADER_WORDS",
     "MAGNITUDES",
@@ -94,7 +100,9 @@ __all__ = [
     "compact_message",
     "decode_",
     "decode_sum_",
+    "dense_length",
     "encode_bitmap_",
+    "encode_dense_",
     "encode_sparse_",
     "expand_message",
     "kernels_enabled",

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from gradshare.codec import _torch_paths, threads
-from gradshare.codec._format import FLEXIBLE_ENCODING
+from gradshare.codec._format import DENSE_ENCODING, FLEXIBLE_ENCODING
 
 ENV_VAR = "GRADSHARE_KERNELS"
 """The environment variable that turns the kernels off for the process (``0``)."""
@@ -258,8 +258,8 @@ def sum_(
 ) -> None:
     """Decode the validated ``(message, format, t)`` into ``target`` (overwritten by their sum
     divided by ``divisor``), or with ``scratch`` (zeros, left zeros) subtract that from it."""
-    if not on_kernels(target):
-        _torch_paths.sum_(present, target, scratch, divisor)
+    if not on_kernels(target) or any(f == DENSE_ENCODING for _, f, _ in present):
+        _torch_paths.sum_(present, target, scratch, divisor)  # dense pieces: small vectors
         return
     lengths = np.array([m.numel() for m, _, _ in present], np.int64)
     starts = np.zeros(len(present), np.int64)

@@ -19,12 +19,20 @@ BITMAP_ENCODING = 1
 """Format id of a bitmap message (2 bits per element)."""
 COMPACT_ENCODING = 2
 """Format id of a compact sparse message (gaps in bytes; gradshare's option, not DL4J's)."""
+DENSE_ENCODING = 3
+"""Format id of a dense piece: the float32 values themselves (gradshare's own, not DL4J's),
+for a vector too small for a threshold message to carry it."""
 COMPACT_GAP = 127
 """The longest gap one byte of a compact message holds; an escape byte adds as much."""
 HEADER_WORDS = 4
 MAX_NUMEL = 2**31 - 1
 """Largest N a message can address: indices are signed int32 ``±(i+1)``."""
-FORMAT_NAMES = {FLEXIBLE_ENCODING: "sparse", BITMAP_ENCODING: "bitmap", COMPACT_ENCODING: "compact"}
+FORMAT_NAMES = {
+    FLEXIBLE_ENCODING: "sparse",
+    BITMAP_ENCODING: "bitmap",
+    COMPACT_ENCODING: "compact",
+    DENSE_ENCODING: "dense",
+}
 
 F32 = struct.Struct("<f")
 I32 = struct.Struct("<i")
@@ -39,6 +47,11 @@ class MessageError(ValueError):
 def sparse_length(num_entries: int) -> int:
     """Words in a sparse message of ``num_entries`` entries: K + 4."""
     return num_entries + HEADER_WORDS
+
+
+def dense_length(numel: int) -> int:
+    """Words in a dense piece for N elements: N + 4."""
+    return numel + HEADER_WORDS
 
 
 def bitmap_length(numel: int) -> int:

@@ -17,6 +17,7 @@ import torch
 
 from gradshare.codec._format import (
     BITMAP_ENCODING,
+    DENSE_ENCODING,
     F32_MAX,
     FLEXIBLE_ENCODING,
     HEADER_WORDS,
@@ -248,6 +249,8 @@ def sum_(
     for m, fmt, t in present:
         if fmt == FLEXIBLE_ENCODING:
             apply_sparse_(m[HEADER_WORDS:], t, buf)
+        elif fmt == DENSE_ENCODING:
+            buf.add_(m[HEADER_WORDS:].view(torch.float32))
         else:
             apply_bitmap_(m[HEADER_WORDS:], t, buf)
     if divisor != 1:

@@ -53,6 +53,7 @@ from gradshare.codec._dispatch import serial_kernels as serial_kernels
 from gradshare.codec._format import (
     BITMAP_ENCODING,
     COMPACT_ENCODING,
+    DENSE_ENCODING,
     F32,
     F32_MAX,
     F32_TINY,
@@ -64,6 +65,7 @@ from gradshare.codec._format import (
     MessageError,
     bitmap_length,
     bits_threshold,
+    dense_length,
     mean_magnitude,
     read_words,
     sparse_length,
@@ -74,6 +76,7 @@ from gradshare.codec._workspace import thread_workspace
 __all__ = [
     "BITMAP_ENCODING",
     "COMPACT_ENCODING",
+    "DENSE_ENCODING",
     "FLEXIBLE_ENCODING",
     "HEADER_WORDS",
     "MAGNITUDES",
@@ -84,7 +87,9 @@ __all__ = [
     "check_message",
     "decode_",
     "decode_sum_",
+    "dense_length",
     "encode_bitmap_",
+    "encode_dense_",
     "encode_sparse_",
     "kernels_enabled",
     "mean_magnitude",
@@ -106,14 +111,16 @@ class MessageInfo:
     """What a message's header (and, for a bitmap, its payload) says."""
 
     format: int
-    """``FLEXIBLE_ENCODING``, ``BITMAP_ENCODING`` or ``COMPACT_ENCODING``."""
+    """``FLEXIBLE_ENCODING``, ``BITMAP_ENCODING``, ``COMPACT_ENCODING`` or
+    ``DENSE_ENCODING``."""
     num_entries: int
-    """Elements the message moves: K for sparse and compact, set 2-bit codes for bitmap."""
+    """Elements the message moves: K for sparse and compact, set 2-bit codes for bitmap,
+    non-zero values for dense."""
     numel: int
     """N, the length of the vector it encodes."""
     threshold: float
     """The float32 stored in word 2: t, or the mean magnitude of a ``magnitude="mean"``
-    message; each entry moves by it."""
+    message; each entry moves by it (0 for a dense piece, whose values are their own)."""
     nbytes: int
     """Size on the wire."""
 
@@ -359,6 +366,34 @@ def encode_sparse_(
     return ws.emit_(residual, boundary, mean=mean)
 
 
+def encode_dense_(residual: torch.Tensor) -> torch.Tensor:
+    """Send all of a float32 ``residual``: return its dense piece and zero it.
+
+    The piece (format ``DENSE_ENCODING = 3``, gradshare's own) is ``[N, N, 0, 3]`` followed
+    by the N float32 values' bits, so decoding it adds exactly what left the residual. For
+    vectors too small for a threshold message (DL4J's rule sends none with fewer than 2
+    entries: a 1-element vector never sends one); a DL4J decoder does not read it.
+
+    Raises:
+        ValueError: ``residual`` is not float32 or holds a non-finite value (nothing changed).
+    """
+    check_vector(residual, "residual")
+    if residual.dtype != torch.float32:
+        raise ValueError(
+            f"Expect a float32 residual for a dense piece, got {residual.dtype}: the piece "
+            "carries float32 values."
+        )
+    bad, first = find_nonfinite(residual)
+    if bad:
+        raise nonfinite_error(residual, bad, first, "nothing was sent")
+    n = residual.numel()
+    message = torch.empty(dense_length(n), dtype=torch.int32, device=residual.device)
+    message[HEADER_WORDS:].copy_(residual.view(torch.int32))
+    message[:HEADER_WORDS] = torch.tensor([n, n, 0, DENSE_ENCODING], dtype=torch.int32)
+    residual.zero_()
+    return message
+
+
 def encode_bitmap_(
     residual: torch.Tensor, threshold: float, *, magnitude: str = "threshold"
 ) -> torch.Tensor:
@@ -403,8 +438,16 @@ def _parse_header(header: list[int], length: int) -> tuple[int, int, float]:
     if fmt not in FORMAT_NAMES or fmt == COMPACT_ENCODING:  # a compact one is expanded first
         raise MessageError(
             f"Unknown format id {fmt} in word 3: expect {FLEXIBLE_ENCODING} (sparse), "
-            f"{BITMAP_ENCODING} (bitmap) or {COMPACT_ENCODING} (compact)."
+            f"{BITMAP_ENCODING} (bitmap), {COMPACT_ENCODING} (compact) or {DENSE_ENCODING} "
+            "(dense)."
         )
+    if fmt == DENSE_ENCODING:
+        if not (first == numel >= 1 and bits == 0 and dense_length(numel) == length):
+            raise MessageError(
+                f"Dense header must be [N, N, 0, 3] with N + 4 words in all, got "
+                f"[{first}, {numel}, {bits}, 3] in {length} words."
+            )
+        return fmt, first, 0.0
     t = bits_threshold(bits)
     if not (math.isfinite(t) and t > 0):
         raise MessageError(f"Expect a finite threshold > 0 in word 2, got {t!r} (bits {bits}).")
@@ -438,6 +481,9 @@ def message_info(message: torch.Tensor) -> MessageInfo:
     numel = header[1]
     if fmt == FLEXIBLE_ENCODING:
         entries = first
+    elif fmt == DENSE_ENCODING:
+        _check_dense(message[HEADER_WORDS:])
+        entries = int(torch.count_nonzero(message[HEADER_WORDS:].view(torch.float32)))
     else:
         words = message[HEADER_WORDS:].cpu().numpy().view(np.uint32)
         sent = (words | (words >> 16)) & 0xFFFF  # one bit per element that moves
@@ -465,6 +511,17 @@ def _check_bitmap_tail(words: torch.Tensor, numel: int) -> None:
         raise MessageError(
             f"Bitmap word {HEADER_WORDS + numel // 16} sets bits for elements at or past N = "
             f"{numel}: only the low {used} magnitude and sign bits may be set."
+        )
+
+
+def _check_dense(payload: torch.Tensor) -> None:
+    values = payload.view(torch.float32)
+    finite = torch.isfinite(values)
+    if not bool(finite.all()):
+        k = int((~finite).nonzero()[0, 0])
+        raise MessageError(
+            f"Dense piece holds a non-finite value at element {k} ({float(values[k])}): "
+            "every value must be finite."
         )
 
 
@@ -510,6 +567,8 @@ def _validate(message: Any, numel: int) -> tuple[int, float]:
         k = _dispatch.first_bad_sparse(payload, numel)
         if k >= 0:
             raise MessageError("Invalid sparse message: " + _fault_text(payload, k, numel) + ".")
+    elif fmt == DENSE_ENCODING:
+        _check_dense(payload)
     else:
         _check_bitmap_tail(payload, numel)
     return fmt, t
@@ -520,8 +579,9 @@ def decode_(message: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
     The message is validated whole before any element is written: known format id, header
     consistent with the length, N equal to ``target``'s length, threshold finite and > 0, every
-    sparse entry in ±1..±N, non-zero and strictly ascending, no bitmap bit past N. A compact
-    message (:mod:`~gradshare.codec.compact_form`) is expanded, and so checked, first. Any fault
+    sparse entry in ±1..±N, non-zero and strictly ascending, no bitmap bit past N, every value
+    of a dense piece (:func:`encode_dense_`) finite. A compact message
+    (:mod:`~gradshare.codec.compact_form`) is expanded, and so checked, first. Any fault
     raises :class:`MessageError` naming it and ``target`` is left bit-for-bit unchanged. So is
     a message that shares bytes with ``target`` (a view of its memory): its writes would
     change the entries being read; clone such a message first.
@@ -540,6 +600,8 @@ def decode_(message: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     fmt, t = _validate(message, target.numel())
     if fmt == FLEXIBLE_ENCODING:
         _dispatch.apply_sparse_(message[HEADER_WORDS:], t, target)
+    elif fmt == DENSE_ENCODING:
+        target.add_(message[HEADER_WORDS:].view(torch.float32))
     else:
         _dispatch.apply_bitmap_(message[HEADER_WORDS:], t, target)
     return target

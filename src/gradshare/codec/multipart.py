@@ -5,9 +5,10 @@ The DDP hook sends one message per bucket and rank made of one piece per paramet
 Every piece is a whole DL4J message for its own vector (docs/design.md §1); a vector that
 sends nothing in a multipart message that carries others puts an empty sparse header
 ``[0, N, bits(t), 0]``. A sparse piece may travel in its compact form
-(:mod:`~gradshare.codec.compact_form`, when the sender opts in). A receiver cuts the pieces by
-their headers and validates every one whole before anything is decoded; a compact piece comes
-back as the sparse message it stands for.
+(:mod:`~gradshare.codec.compact_form`, when the sender opts in), and a vector too small for a
+threshold message as a dense piece (:func:`~gradshare.codec.encode_dense_`). A receiver cuts
+the pieces by their headers and validates every one whole before anything is decoded; a compact
+piece comes back as the sparse message it stands for.
 """
 
 from __future__ import annotations
@@ -21,9 +22,11 @@ import torch
 from gradshare.codec._format import (
     BITMAP_ENCODING,
     COMPACT_ENCODING,
+    DENSE_ENCODING,
     FLEXIBLE_ENCODING,
     HEADER_WORDS,
     bitmap_length,
+    dense_length,
     sparse_length,
 )
 from gradshare.codec.compact_form import COMPACT_HEADER_WORDS, compact_length, expand_message
@@ -91,6 +94,8 @@ def split_message(
             size = bitmap_length(n)
         elif fmt == FLEXIBLE_ENCODING and first >= 0:
             size = sparse_length(first)
+        elif fmt == DENSE_ENCODING:
+            size = dense_length(n)
         elif fmt == COMPACT_ENCODING and pos + COMPACT_HEADER_WORDS <= length:
             size = compact_length(max(int(words[pos + HEADER_WORDS]), 0))
         else:

@@ -31,7 +31,8 @@ class EncodeStats:
     """The float32 each entry sends (the header's float): t, or with ``magnitude="mean"`` the
     mean magnitude of the sent elements (t when nothing was sent)."""
     format: str | None
-    """``"sparse"``, ``"bitmap"``, or None when nothing was sent."""
+    """``"sparse"``, ``"bitmap"``, ``"dense"`` (:meth:`Encoder.encode_whole`), or None when
+    nothing was sent."""
     entries: int
     """Elements the message moves."""
     density: float
@@ -210,6 +211,44 @@ class Encoder:
             dense_bytes=n * 4,
             clipped=clipped,
             residual_norm=math.sqrt(max(sumsq, 0.0)),
+        )
+        return message
+
+    def encode_whole(self, update: torch.Tensor | None, iteration: int) -> torch.Tensor:
+        """Add ``update`` into the residual and send all of it: return its dense piece
+        (:func:`gradshare.codec.encode_dense_`, the float32 values) and leave the residual
+        at zero.
+
+        For a vector too small for threshold messages
+        (:func:`~gradshare.encoding.threshold.sends_whole`): the threshold algorithm is not
+        asked and keeps its state; the stats say format ``"dense"`` and threshold 0. The
+        conservation law holds exactly: what left the residual is what the piece decodes to.
+        ``update`` is as in :meth:`encode` (None: the residual already holds it).
+        """
+        if update is not None:
+            u = self._prepare(update)
+            _check_finite(u)
+            assert self.residual is not None
+            self.residual.add_(u)
+        if self.residual is None:
+            raise ValueError(
+                "Expect an `update` at this encoder's first call: `update=None` sends the "
+                "residual as it is, and there is none yet."
+            )
+        message = codec.encode_dense_(self.residual)
+        n = self.residual.numel()
+        entries = codec.message_info(message).num_entries
+        self.last_stats = EncodeStats(
+            iteration=iteration,
+            threshold=0.0,
+            value=0.0,
+            format="dense",
+            entries=entries,
+            density=entries / n,
+            message_bytes=message.numel() * 4,
+            dense_bytes=n * 4,
+            clipped=0.0,
+            residual_norm=0.0,
         )
         return message
 

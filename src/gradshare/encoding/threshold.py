@@ -34,6 +34,7 @@ __all__ = [
     "TargetDensityThreshold",
     "ThresholdAlgorithm",
     "default_threshold",
+    "sends_whole",
 ]
 
 DEFAULT_DECAY = 0.5 ** (1 / 20)
@@ -461,6 +462,27 @@ WARMUP_START = 0.25
 
 DEFAULT_INITIAL = 1e-3
 """The initial threshold of :func:`default_threshold`."""
+
+
+WHOLE_BELOW = 16
+"""Vectors of fewer elements are sent whole (:func:`sends_whole`) under any algorithm but
+:class:`QuantileThreshold`: one word of a bitmap's payload."""
+
+
+def sends_whole(algorithm: ThresholdAlgorithm, numel: int) -> bool:
+    """Whether a vector of ``numel`` elements is too small for threshold messages under
+    ``algorithm``, and is sent whole instead (:meth:`gradshare.Encoder.encode_whole`).
+
+    DL4J's rule sends no message when fewer than 2 elements cross t, so a 1-element vector
+    would never be sent, and one whose crossing elements rarely come in pairs would be held
+    back for long. Under :class:`QuantileThreshold` a vector is too small when the entries it
+    aims at, ``round(density · N)``, are fewer than 2 (N < 38 at the default 4 %); under any
+    other algorithm when N < :data:`WHOLE_BELOW`. Such vectors are a model's scalars, biases
+    and norms of narrow layers: a few bytes against its matrices.
+    """
+    if isinstance(algorithm, QuantileThreshold):
+        return round(algorithm.density * numel) < 2
+    return numel < WHOLE_BELOW
 
 
 def default_threshold() -> AdaptiveThreshold:
