@@ -406,38 +406,44 @@ def _rank_two_scales(rank: int, world: int, steps: int) -> list[float]:
 
 
 class _TwoLinear(nn.Module):
-    """``(w * gw).sum() + (v * gv).sum()``: the gradients are the inputs, exactly."""
+    """``(w * gw).sum() + (v * gv).sum() + (s * gs).sum()``: the gradients are the inputs,
+    exactly."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.w = nn.Parameter(torch.zeros(8))  # a bitmap every step (8 // 16 words always fit)
+        self.w = nn.Parameter(torch.zeros(24))  # a bitmap every step (24 // 16 words fit)
         self.v = nn.Parameter(torch.zeros(256))  # sparse: K + 4 < 256 // 16 for K <= 11
+        self.s = nn.Parameter(torch.zeros(3))  # under 16 elements: sent whole
 
-    def forward(self, gw: torch.Tensor, gv: torch.Tensor) -> torch.Tensor:
-        return (self.w * gw).sum() + (self.v * gv).sum()
+    def forward(self, gw: torch.Tensor, gv: torch.Tensor, gs: torch.Tensor) -> torch.Tensor:
+        return (self.w * gw).sum() + (self.v * gv).sum() + (self.s * gs).sum()
 
 
 def _rank_velocity(rank: int, world: int, steps: int) -> bool:
-    """The velocity and residual after each step equal a hand computation of DGC."""
+    """The velocity and residual after each step equal a hand computation of DGC; a
+    parameter sent whole keeps its whole velocity (momentum SGD on the mean) and no
+    residual."""
     m, t = 0.9, 1.0
     model = DDP(_TwoLinear())
     state = register_threshold_hook(model, threshold=FixedThreshold(t), start_iter=0,
                                     momentum=m)  # fmt: skip
-    u = {"w": torch.zeros(8), "v": torch.zeros(256)}
-    r = {"w": torch.zeros(8), "v": torch.zeros(256)}
+    u = {"w": torch.zeros(24), "v": torch.zeros(256), "s": torch.zeros(3)}
+    r = {"w": torch.zeros(24), "v": torch.zeros(256), "s": torch.zeros(3)}
     g = torch.Generator().manual_seed(rank)
     formats = set()
     for _ in range(steps):
-        grads = {"w": torch.randint(0, 3, (8,), generator=g) * 0.25,
-                 "v": (torch.rand(256, generator=g) < 0.02) * 0.75}  # fmt: skip
+        grads = {"w": torch.randint(0, 3, (24,), generator=g) * 0.25,
+                 "v": (torch.rand(256, generator=g) < 0.02) * 0.75,
+                 "s": torch.randn(3, generator=g)}  # fmt: skip
         model.zero_grad()
-        model(grads["w"], grads["v"]).backward()
-        for name in ("w", "v"):
+        model(grads["w"], grads["v"], grads["s"]).backward()
+        for name in ("w", "v", "s"):
             u[name] = u[name] * m + grads[name]
             r[name] = r[name] + u[name]
-            sent = r[name].abs() >= t  # gradients >= 0: no half-negative bitmap codes
-            r[name] = torch.where(sent, r[name] - t, r[name])
-            u[name] = torch.where(sent, 0.0, u[name])
+            # gradients >= 0: no half-negative bitmap codes; "s" is sent whole
+            sent = r[name].abs() >= t if name != "s" else torch.ones(3, dtype=torch.bool)
+            r[name] = torch.where(sent, r[name] - (t if name != "s" else r[name]), r[name])
+            u[name] = torch.where(sent, 0.0, u[name]) if name != "s" else u[name]
             place = state._runtime.keys[id(getattr(model.module, name))]
             formats.add(state.last_stats[place].format)
             residual = state.encoders[place].residual
@@ -445,7 +451,7 @@ def _rank_velocity(rank: int, world: int, steps: int) -> bool:
             if not (torch.equal(state.velocities[place], u[name])
                     and torch.equal(residual, r[name])):  # fmt: skip
                 return False
-    assert formats >= {"bitmap", "sparse"}, formats
+    assert formats >= {"bitmap", "sparse", "dense"}, formats
     return True
 
 

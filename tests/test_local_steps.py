@@ -7,6 +7,7 @@ run on every rank and return what the test asserts on.
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import signal
 import time
@@ -19,7 +20,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-from gradshare import ExchangeError, LocalSteps, codec
+from gradshare import ExchangeError, FixedThreshold, LocalSteps, codec
 from gradshare.distributed.local_steps import (
     DEFAULT_OUTER_LR,
     DEFAULT_OUTER_LR_SGD,
@@ -42,15 +43,18 @@ def _record(sync: LocalSteps, i: int, log: list) -> None:
     from the sync as the encode starts: global copy - replica (the model has not taken the
     global copy yet), in float64."""
     enc = sync.encoders[i]
-    encode = enc.encode
 
-    def recorded(update: None, iteration: int, epoch: int = 0, **kw: bool) -> object:
-        delta = sync.global_params[i].double() - sync.params[i].detach().double()
-        message = encode(update, iteration, epoch, **kw)
-        log.append((delta.reshape(-1), None if message is None else message.clone()))
-        return message
+    def recording(encode: Callable[..., torch.Tensor | None]) -> Callable[..., object]:
+        def recorded(update: None, iteration: int, *args: int, **kw: bool) -> object:
+            delta = sync.global_params[i].double() - sync.params[i].detach().double()
+            message = encode(update, iteration, *args, **kw)
+            log.append((delta.reshape(-1), None if message is None else message.clone()))
+            return message
 
-    enc.encode = recorded  # type: ignore[method-assign]
+        return recorded
+
+    enc.encode = recording(enc.encode)  # type: ignore[method-assign]
+    enc.encode_whole = recording(enc.encode_whole)  # type: ignore[method-assign]
 
 
 def _decoded(message: torch.Tensor | None, numel: int) -> torch.Tensor:
@@ -478,7 +482,7 @@ def _rank_refusals(rank: int, world: int) -> dict:
     _train(model, inner, batches[:2])
     if rank == 1:
         state = sync.state_dict()
-        state["syncs"] = 5
+        state["steps"], state["syncs"] = 10, 5  # another run's checkpoint, ahead
         sync.load_state_dict(state)
     try:
         _train(model, inner, batches[2:4])
@@ -550,6 +554,204 @@ def _rank_float64(rank: int, world: int) -> dict:
     return out
 
 
+class _Small(nn.Module):
+    """A scalar, a 2-element bias, a LayerNorm of 16 and a 16→2 layer (32 weights): each too
+    small for a threshold message at the default 4 % (round(0.04 N) < 2)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(10, 16)
+        self.norm = nn.LayerNorm(16)
+        self.out = nn.Linear(16, 2)
+        self.scale = nn.Parameter(torch.ones(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.norm(self.inp(x)).relu()) * self.scale
+
+
+def _moved(model: nn.Module, step: Callable[[torch.Tensor, torch.Tensor], None], rank: int,
+           world: int) -> dict[str, bool]:  # fmt: skip
+    """40 steps of ``step(x, y)`` on this rank's batches: which parameters moved between
+    step 20 and step 40."""
+    batches = [(x, y % 2) for x, y in toy_batches(40 * world, seed=7)[rank::world]]
+    seen = []
+    for i, (x, y) in enumerate(batches):
+        step(x, y)
+        if i + 1 in (20, 40):
+            seen.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    return {n: not torch.equal(seen[0][n], seen[1][n]) for n in seen[0]}
+
+
+def _rank_small_tensors(rank: int, world: int) -> dict:
+    """Every parameter of :class:`_Small` under LocalSteps' defaults and under the DDP hook's."""
+    from gradshare import register_threshold_hook
+
+    model = _Small()
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with LocalSteps(model, inner, sync_every=10) as sync:
+        out = {"local": _moved(model, lambda x, y: _train(model, inner, [(x, y)]), rank, world)}
+        out["local metrics"] = sync.metrics()
+    model = _Small()
+    ddp = DistributedDataParallel(model)
+    state = register_threshold_hook(ddp)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    out["hook"] = _moved(model, lambda x, y: _train(ddp, opt, [(x, y)]), rank, world)
+    out["hook metrics"] = state.metrics()
+    return out
+
+
+def _bn_model() -> nn.Module:
+    """An MLP with a BatchNorm (its running statistics are buffers) and a constant buffer."""
+    model = nn.Sequential(nn.Linear(10, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
+    model.register_buffer("mask", torch.ones(100))  # alike on every rank: never sent
+    return model
+
+
+def _rank_buffers(rank: int, world: int) -> dict:
+    """BatchNorm's statistics after a LocalSteps sync and a SharedOptimizer step, on
+    different data per rank, with the defaults and with ``broadcast_buffers=False``."""
+    from gradshare import SharedOptimizer
+
+    batches = toy_batches(4 * world, seed=8)[rank::world]
+    probe = toy_batches(1, seed=9)[0][0]
+    out: dict = {}
+    for key, on in (("local", True), ("local off", False)):
+        model = _bn_model()
+        inner = torch.optim.SGD(model.parameters(), lr=0.1)
+        with LocalSteps(model, inner, sync_every=2, broadcast_buffers=on) as sync:
+            _train(model, inner, batches[:2])  # the second step ends with the sync
+        out[key] = {"buffers": dict(model.named_buffers()), "sent": sync._buffers.sent,
+                    "eval": model.eval()(probe)}  # fmt: skip
+    model = _bn_model()
+    opt = SharedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model)
+    _train(model, opt, batches[:1])
+    out["shared"] = dict(model.named_buffers())
+    return out
+
+
+def _refused(load: Callable[[], object]) -> str:
+    """The ValueError ``load()`` raised ("" when it raised none)."""
+    try:
+        load()
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
+def _rank_outer_at_load(rank: int, world: int) -> dict:
+    """A state saved with the default outer optimizer (plain SGD, lr 1.4 after SGD) loaded
+    into LocalSteps built with another, and outer states with junk in them."""
+    batches = toy_batches(2 * world, seed=10)[rank::world]
+    model = toy_model()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    momentum = lambda p: torch.optim.SGD(p, lr=0.7, momentum=0.9, nesterov=True)
+    with LocalSteps(model, inner, sync_every=2, outer_optimizer=momentum) as sync:
+        _train(model, inner, batches)
+        saved = sync.state_dict()
+        before = copy.deepcopy(sync.state_dict())
+        outer = saved["outer"]
+        groups, buf = outer["param_groups"], outer["state"][0]["momentum_buffer"]
+        junk = {
+            "lr -5": {**outer, "param_groups": [{**groups[0], "lr": -5.0}]},
+            "lr nan": {**outer, "param_groups": [{**groups[0], "lr": float("nan")}]},
+            "lr 'x'": {**outer, "param_groups": [{**groups[0], "lr": "x"}]},
+            "buffer shape": {**outer, "state": {0: {"momentum_buffer": buf[:1]}}},
+            "buffer nan": {**outer, "state": {0: {"momentum_buffer": buf * float("nan")}}},
+            "empty": {},
+        }
+        out = {k: _refused(lambda o=o: sync.load_state_dict({**saved, "outer": o}))
+               for k, o in junk.items()}  # fmt: skip
+        after = sync.state_dict()
+        out["unchanged"] = all(torch.equal(a, b) for a, b in zip(before["global"],
+                               after["global"], strict=True)) and repr(before["outer"]) == repr(
+                               after["outer"])  # fmt: skip
+    for name, make in (("sgd 1.0", lambda p: torch.optim.SGD(p, lr=1.0)),
+                       ("adam", lambda p: torch.optim.Adam(p, lr=0.1))):  # fmt: skip
+        with LocalSteps(model, inner, sync_every=2, outer_optimizer=make) as other:
+            out[name] = _refused(lambda o=other: o.load_state_dict(saved))
+            settings = {k: v for k, v in saved["settings"].items() if k != "outer_optimizer"}
+            old = {**saved, "settings": settings}  # saved before the setting was recorded
+            out[f"{name} unrecorded"] = _refused(lambda o=other, s=old: o.load_state_dict(s))
+    return out
+
+
+def _rank_guards(rank: int, world: int) -> dict:
+    """An outer step that overflows, a GradScaler not passed, a second LocalSteps on one
+    optimizer and other arguments refused, junk counters and global copies at load, a
+    bfloat16 model's global copy, and a tensor that never crosses its threshold."""
+    from gradshare.distributed import metrics
+
+    batches = toy_batches(4 * world, seed=11)[rank::world]
+    out: dict = {}
+    for lr in (1e38, 1e42):  # inf in float32 (the moves are ~100); an lr float32 cannot hold
+        model = toy_model()
+        inner = torch.optim.SGD(model.parameters(), lr=1e3)
+        sync = LocalSteps(model, inner, sync_every=2,
+                          outer_optimizer=lambda p, lr=lr: torch.optim.SGD(p, lr=lr))  # fmt: skip
+        _train(model, inner, batches[:1])
+        local = flat(model)
+        out[f"overflow {lr:g}"] = _refused(lambda m=model, i=inner: _train(m, i, batches[1:2]))
+        out[f"kept {lr:g}"] = bool(flat(model).isfinite().all()) and not torch.equal(
+            flat(model), local)  # fmt: skip
+        with pytest.raises(RuntimeError, match="outer step"):  # and at every later step
+            _train(model, inner, batches[2:3])
+        sync.close()
+    # a GradScaler that LocalSteps was not given
+    model = toy_model()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    with LocalSteps(model, inner, sync_every=2) as sync:
+        scaler.scale(F.cross_entropy(model(batches[0][0]), batches[0][1])).backward()
+        with pytest.raises(RuntimeError, match="grad_scaler=scaler") as caught:
+            scaler.step(inner)
+        out["scaler"] = str(caught.value)
+        # a second LocalSteps on the same optimizer, one that does not step the model
+        out["twice"] = _refused(lambda: LocalSteps(model, inner, sync_every=2))
+        other = torch.optim.SGD([nn.Parameter(torch.zeros(3))], lr=0.1)
+        out["foreign"] = _refused(lambda: LocalSteps(toy_model(), other, sync_every=2))
+    complex_model = nn.Linear(2, 2).to(torch.complex64)
+    try:
+        LocalSteps(complex_model, torch.optim.SGD(complex_model.parameters(), lr=0.1),
+                   sync_every=2)  # fmt: skip
+    except TypeError as e:
+        out["complex"] = str(e)
+    # junk at load
+    model = toy_model()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    with LocalSteps(model, inner, sync_every=2, overlap=1) as sync:
+        _train(model, inner, batches[:2])  # the sync at step 2: its round waits for its merge
+        saved = sync.state_dict()
+        glob = saved["global"]
+        junk = {
+            "int global": {**saved, "global": [g.long() for g in glob]},
+            "bool global": {**saved, "global": [g > 0 for g in glob]},
+            "float64 global": {**saved, "global": [g.double() * 1e39 for g in glob]},
+            "steps 2**62": {**saved, "steps": 2**62},
+            "syncs ahead": {**saved, "syncs": 2},
+            "pending without base": {**saved, "base": None},
+        }
+        out.update({k: _refused(lambda j=j: sync.load_state_dict(j)) for k, j in junk.items()})
+        out["pending"] = saved["pending"] is not None
+    # a bfloat16 model keeps a float32 global copy
+    model = toy_model().to(torch.bfloat16)
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with LocalSteps(model, inner, sync_every=2) as sync:
+        _train(model, inner, [(x.bfloat16(), y) for x, y in batches[:2]])
+        out["bf16 global"] = {g.dtype for g in sync.global_params}
+    # a threshold no residual crosses: the tensors sent by threshold stall, and say so
+    model = toy_model()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    metrics.STALLED_AFTER, metrics._warned = 3, set()
+    with LocalSteps(model, inner, sync_every=1, threshold=FixedThreshold(1e3)) as sync:
+        _train(model, inner, batches[:2])
+        out["stalled 2"] = sync.metrics()["stalled"]
+        _train(model, inner, batches[2:3])
+        out["stalled 3"] = sync.metrics()["stalled"]
+    out["warned"] = sorted(k for k in metrics._warned if k.startswith("stalled"))
+    return out
+
+
 def _rank_two(rank: int, world: int, tmp: str) -> dict:
     """What needs 2 healthy ranks, in one world (each spawned process costs seconds of
     imports): the refusals, the grad scaler, and the first half of the resume test."""
@@ -557,9 +759,15 @@ def _rank_two(rank: int, world: int, tmp: str) -> dict:
         **_rank_refusals(rank, world),
         "scaler": _rank_grad_scaler(rank, world),
         "float64": _rank_float64(rank, world),
+        "small": _rank_small_tensors(rank, world),
+        "buffers": _rank_buffers(rank, world),
+        "outer": _rank_outer_at_load(rank, world),
+        "guards": _rank_guards(rank, world),
         **{
-            f"whole {tau} {parts}": _rank_resume(rank, world, tmp, "whole", tau, parts)
-            for tau, parts in RESUMES
+            f"whole {tau} {parts} {dense}": _rank_resume(
+                rank, world, tmp, "whole", tau, parts, dense
+            )
+            for tau, parts, dense in RESUMES
         },
     }
 
@@ -573,6 +781,119 @@ def two(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict], Path]:
 @pytest.fixture(scope="module")
 def refusals(two: tuple[list[dict], Path]) -> list[dict]:
     return two[0]
+
+
+class TestNothingLost:
+    """Every parameter trains, however small."""
+
+    def test_small_tensors_train_under_local_steps_and_the_hook(self, refusals: list[dict]) -> None:
+        """A scalar, a 2-element bias, a LayerNorm of 16 and the 32 weights of a 16→2 layer
+        sent nothing under LocalSteps' defaults (and the scalar under the hook): the DL4J
+        rule sends no message with fewer than 2 entries, so each sync reset them to their
+        start. Sent whole now, every parameter moves between step 20 and step 40."""
+        for r in refusals:
+            for mode in ("local", "hook"):
+                moved = r["small"][mode]
+                assert len(moved) == 7 and all(moved.values()), (mode, moved)
+                assert r["small"][f"{mode} metrics"]["stalled"] == 0
+
+    def test_buffers_are_rank_0s_after_every_sync(self, refusals: list[dict]) -> None:
+        """BatchNorm's running statistics drifted apart (each replica's own forward passes
+        write them) while the parameters were alike; now they are rank 0's after a
+        LocalSteps sync and a SharedOptimizer step (with ``model=``), and so the eval outputs
+        agree. Only what differs is sent: BatchNorm's mean and variance (2 x 16 float32),
+        not the constant mask nor the step counter."""
+        a, b = (r["buffers"] for r in refusals)
+        for key in ("local", "shared"):
+            x, y = (r["buffers"] if key == "local" else r for r in (a[key], b[key]))
+            assert x.keys() == y.keys() and len(x) == 4, x.keys()  # mask, BatchNorm's 3
+            assert all(torch.equal(x[n], y[n]) for n in x), key
+        assert torch.equal(a["local"]["eval"], b["local"]["eval"])
+        assert a["local"]["sent"] == b["local"]["sent"] == 2 * 16 * 4
+        off = (r["local off"]["buffers"]["1.running_mean"] for r in (a, b))
+        assert not torch.equal(*off)
+        assert a["local off"]["sent"] == 0
+
+
+class TestStateAtLoad:
+    """A state that does not fit is refused at load, naming what differs; nothing changes."""
+
+    def test_another_outer_optimizer_is_refused_naming_it(self, refusals: list[dict]) -> None:
+        """Built with outer SGD lr 1.0, a load ran the saved Nesterov 0.7/0.9 with no word;
+        an Adam built over an SGD state failed at the next sync (``KeyError: 'betas'``),
+        after the exchange."""
+        for r in refusals:
+            out = r["outer"]
+            assert "`outer_optimizer` " in out["sgd 1.0"] and "lr', 1.0" in out["sgd 1.0"]
+            assert "`outer_optimizer` " in out["adam"]
+            assert "'betas'" in out["adam unrecorded"], out["adam unrecorded"]
+            # the same class, other hyperparameters, in a state that predates the record:
+            # torch's own rule, the saved hyperparameters (and an outer schedule) resume
+            assert out["sgd 1.0 unrecorded"] == ""
+
+    def test_junk_outer_states_are_refused_and_nothing_changes(self, refusals: list[dict]) -> None:
+        for r in refusals:
+            out = r["outer"]
+            assert "Invalid learning rate" in out["lr -5"], out["lr -5"]
+            assert "`lr`" in out["lr nan"] and "`lr`" in out["lr 'x'"]
+            assert "has shape (1, 10), the parameter (16, 10)" in out["buffer shape"]
+            assert "non-finite" in out["buffer nan"]
+            assert "`state` and `param_groups`" in out["empty"]
+            assert out["unchanged"]
+
+    def test_junk_counters_and_global_copies_are_refused(self, refusals: list[dict]) -> None:
+        """An int, bool or float64 global copy was cast (a float64 1e39 became inf after
+        the finiteness check), inconsistent counters and a waiting round without its send
+        point were taken."""
+        for r in refusals:
+            out = r["guards"]
+            assert out["pending"]
+            for key in ("int global", "bool global", "float64 global"):
+                assert "dtype" in out[key], (key, out[key])
+            assert "`steps` 4611686018427387904 and `syncs` 1" in out["steps 2**62"]
+            assert "2 inner steps hold at most 1 syncs" in out["syncs ahead"]
+            assert "`base` is None" in out["pending without base"]
+
+    def test_a_bfloat16_model_keeps_a_float32_global_copy(self, refusals: list[dict]) -> None:
+        """Outer steps smaller than bfloat16's spacing were rounded away in a bf16 copy."""
+        assert all(r["guards"]["bf16 global"] == {torch.float32} for r in refusals)
+
+
+class TestGuards:
+    """What would lose training or desync the replicas with no word now raises."""
+
+    def test_an_outer_step_that_overflows_is_named(self, refusals: list[dict]) -> None:
+        """An outer step that turned the global copy inf went on with no error (the next
+        sync blamed the local parameters); outer lr 1e42 raised a raw RuntimeError after the
+        exchange. Both now name
+        the outer step on every rank; the model keeps its replica, and every later step
+        raises the same."""
+        for lr in ("1e+38", "1e+42"):
+            said = {r["guards"][f"overflow {lr}"] for r in refusals}
+            assert len(said) == 1 and "the outer step" in said.pop()
+            assert all(r["guards"][f"kept {lr}"] for r in refusals)
+
+    def test_a_grad_scaler_not_passed_is_refused(self, refusals: list[dict]) -> None:
+        """A rank whose step the scaler skipped synced one step late in every round."""
+        assert all("Pass `grad_scaler=scaler`" in r["guards"]["scaler"] for r in refusals)
+
+    def test_arguments_that_lose_training_are_refused(self, refusals: list[dict]) -> None:
+        """A second LocalSteps on one optimizer (two hooks, two global copies), an optimizer
+        that steps none of the model's parameters, and a complex parameter (its imaginary
+        moves dropped) were accepted."""
+        out = refusals[0]["guards"]
+        assert "another one syncs this optimizer already" in out["twice"]
+        assert "holds none of them" in out["foreign"]
+        assert "complex '0.weight'" in out["complex"] or "complex 'weight'" in out["complex"]
+
+    def test_a_stalled_tensor_is_counted_and_named(self, refusals: list[dict]) -> None:
+        """A threshold that a tensor never reaches kept its update in the residual with no
+        word; after STALLED_AFTER syncs it is in ``metrics()["stalled"]`` and a warning."""
+        for r in refusals:
+            out = r["guards"]
+            assert (out["stalled 2"], out["stalled 3"]) == (0, 3)  # out.bias (3) goes whole
+            assert out["warned"] == [f"stalled LocalSteps {n}"
+                                     for n in ("0.bias", "0.weight", "2.weight")]  # fmt: skip
 
 
 class TestRefusals:
@@ -672,14 +993,16 @@ def test_lost_peer_raises_within_the_timeout(kind: str, overlap: int, fragments:
     assert lost.error == ("ZeroDivisionError" if kind == "raise" else "Killed")
 
 
-RESUMES = ((0, 1), (True, 1), (3, 1), (1, 1), (1, 2))
-"""(overlap, fragments): the resume is checked without overlap, with τ 4 (``True``), 3 and 1
-at sync_every 4, and with τ 1 over 2 fragments."""
+RESUMES = ((0, 1, False), (True, 1, False), (3, 1, False), (1, 1, False), (1, 2, False),
+           (0, 1, True), (3, 1, True))  # fmt: skip
+"""(overlap, fragments, dense): the resume is checked without overlap, with τ 4 (``True``), 3
+and 1 at sync_every 4, with τ 1 over 2 fragments, and dense (DiLoCo) without and with τ 3."""
 
 
 def _rank_resume(
-    rank: int, world: int, tmp: str, part: str, overlap: int = 0, fragments: int = 1
-) -> torch.Tensor:
+    rank: int, world: int, tmp: str, part: str, overlap: int = 0, fragments: int = 1,
+    dense: bool = False,
+) -> torch.Tensor:  # fmt: skip
     """``whole``: 20 steps, saving at 10. ``resumed``: new processes load step 10, do 10.
     With overlap τ 4 or 3, round 2 (of the sync at step 8) is in flight at step 10; with τ 1
     it was merged at step 9, and the carry of step 9 waits. With 2 fragments (syncs at steps
@@ -688,8 +1011,8 @@ def _rank_resume(
     model = toy_model(seed=5)
     inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sync = LocalSteps(model, inner, sync_every=4, decay=0.9, timeout=30, overlap=overlap,
-                      fragments=fragments)  # fmt: skip
-    path = Path(tmp) / f"rank{rank}-overlap{overlap}-{fragments}.pt"
+                      fragments=fragments, dense=dense)  # fmt: skip
+    path = Path(tmp) / f"rank{rank}-overlap{overlap}-{fragments}-{dense}.pt"
     if part == "whole":
         _train(model, inner, batches[:10])
         torch.save({"model": model.state_dict(), "inner": inner.state_dict(),
@@ -742,15 +1065,16 @@ def _rank_resume(
     return flat(model)
 
 
-@pytest.mark.parametrize(("overlap", "fragments"), RESUMES)
+@pytest.mark.parametrize(("overlap", "fragments", "dense"), RESUMES)
 def test_resumed_run_is_bit_identical(
-    two: tuple[list[dict], Path], overlap: int, fragments: int
+    two: tuple[list[dict], Path], overlap: int, fragments: int, dense: bool
 ) -> None:
     """20 steps straight vs 10, save, new processes, load, 10: the same bits (with overlap,
-    saved with a round in flight, or a carry)."""
-    whole = [r[f"whole {overlap} {fragments}"] for r in two[0]]
+    saved with a round in flight, or a carry). A dense LocalSteps (no encoders) could load
+    no checkpoint at all: ``zip() argument 3 is longer than arguments 1-2``."""
+    whole = [r[f"whole {overlap} {fragments} {dense}"] for r in two[0]]
     resumed = [r.get() for r in pooled(_rank_resume, 2, str(two[1]), "resumed", overlap,
-                                       fragments)]  # fmt: skip
+                                       fragments, dense)]  # fmt: skip
     for a, b in zip(whole, resumed, strict=True):
         assert torch.equal(a, b)
     # step 20 ends with a sync of the whole model (of the first fragment: the second moved)

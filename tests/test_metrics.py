@@ -18,7 +18,7 @@ from world import spawn
 def test_share_metrics_names_and_ratio() -> None:
     got = share_metrics(100, 400)
     assert got == {"bytes_sent": 100.0, "dense_bytes": 400.0, "compression": 4.0,
-                   "density": 1.0, "threshold": 0.0}  # fmt: skip
+                   "density": 1.0, "threshold": 0.0, "stalled": 0.0}  # fmt: skip
 
 
 def test_an_encoding_mode_without_stats_reports_unknown_not_dense() -> None:

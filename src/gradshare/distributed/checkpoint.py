@@ -20,6 +20,7 @@ __all__ = [
     "check_encoder_state",
     "check_format",
     "check_mapping",
+    "check_optimizer_state",
     "check_saved_by",
     "saved_by",
 ]
@@ -114,3 +115,94 @@ def check_encoder_state(saved: Any, numel: int | None, what: str) -> None:
                 f"{what}'s threshold state has `{name}` {value!r}: expect None or a float in "
                 f"[{low:g}, {high:g}]; the checkpoint is corrupted."
             )
+
+
+def check_optimizer_state(
+    optimizer: torch.optim.Optimizer, saved: Any, params: list[torch.Tensor], what: str
+) -> None:
+    """Refuse a ``torch.optim`` state dict that does not fit ``optimizer`` (over ``params``),
+    before anything changes: ``state`` and ``param_groups`` present; as many groups, with the
+    same keys (another optimizer class has others: Adam's ``betas``) and as many parameters;
+    every hyperparameter of the type this optimizer holds, finite, and one its class accepts
+    (its constructor checks them: a negative learning rate); every state tensor finite, a
+    scalar or shaped like its parameter. ``torch``'s own ``load_state_dict`` checks only the
+    group sizes, and the rest fails at the next step (a ``KeyError``), or never."""
+    saved = check_mapping(saved, what)
+    if set(saved) != {"state", "param_groups"}:
+        raise ValueError(
+            f"Expect {what} to hold `state` and `param_groups` (an optimizer's state_dict), "
+            f"got keys {sorted(saved)}: the checkpoint is corrupted."
+        )
+    groups, ours = saved["param_groups"], optimizer.param_groups
+    if not isinstance(groups, list) or len(groups) != len(ours):
+        raise ValueError(
+            f"{what} has {len(groups) if isinstance(groups, list) else repr(groups)} parameter "
+            f"group(s), this {type(optimizer).__name__} {len(ours)}: it is of another optimizer."
+        )
+    for k, (group, mine) in enumerate(zip(groups, ours, strict=True)):
+        group = check_mapping(group, f"{what}'s parameter group {k}")
+        differ = sorted(set(group) ^ set(mine))
+        if differ:
+            raise ValueError(
+                f"{what}'s parameter group {k} differs in its settings {differ} from this "
+                f"{type(optimizer).__name__}'s: it was saved by another optimizer; build the "
+                "one that saved it."
+            )
+        if not isinstance(group["params"], list) or len(group["params"]) != len(mine["params"]):
+            raise ValueError(f"{what}'s parameter group {k} holds other parameters than this "
+                             "optimizer's: it is of another model.")  # fmt: skip
+        for name, value in group.items():
+            if name != "params":
+                _check_setting(value, mine[name], f"{what}'s `{name}` (group {k})")
+        known = {n: group[n] for n in optimizer.defaults if n in group}
+        try:
+            type(optimizer)([torch.zeros(1)], **known)  # its own checks (lr >= 0, betas, ...)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"{what}'s parameter group {k} is refused by "
+                             f"{type(optimizer).__name__}: {e}") from None  # fmt: skip
+    state = check_mapping(saved["state"], f"{what}'s `state`")
+    for key, entry in state.items():
+        if isinstance(key, bool) or not isinstance(key, int) or not 0 <= key < len(params):
+            raise ValueError(f"{what}'s `state` names parameter {key!r}, expect 0 to "
+                             f"{len(params) - 1}: the checkpoint is corrupted.")  # fmt: skip
+        entry = check_mapping(entry, f"{what}'s state of parameter {key}")
+        for name, value in entry.items():
+            where = f"{what}'s `{name}` of parameter {key}"
+            if isinstance(value, torch.Tensor):
+                if value.numel() != 1 and value.shape != params[key].shape:
+                    raise ValueError(
+                        f"{where} has shape {tuple(value.shape)}, the parameter "
+                        f"{tuple(params[key].shape)}: the checkpoint is of another model."
+                    )
+                if value.is_floating_point() and not bool(value.isfinite().all()):
+                    raise ValueError(f"{where} holds non-finite values: the checkpoint is "
+                                     "corrupted; resume from another.")  # fmt: skip
+            else:
+                _check_setting(value, value, where)
+
+
+def _check_setting(value: Any, like: Any, where: str) -> None:
+    """Refuse ``value`` unless it is of ``like``'s kind (a bool, a number, a tuple of
+    numbers, None or a string, a tensor), finite where it is a number."""
+    if like is None:  # a switch left to torch (foreach, fused): None or a bool
+        ok = value is None or isinstance(value, bool)
+    elif isinstance(like, (bool, str)):
+        ok = type(value) is type(like)
+    elif isinstance(like, (int, float)):
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        ok = ok and math.isfinite(value)
+    elif isinstance(like, (tuple, list)):
+        ok = isinstance(value, (tuple, list)) and len(value) == len(like)
+        ok = ok and all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+            for v in value
+        )
+    elif isinstance(like, torch.Tensor):
+        ok = isinstance(value, torch.Tensor) and bool(value.isfinite().all())
+    else:
+        ok = True
+    if not ok:
+        raise ValueError(
+            f"{where} is {value!r}, expect {type(like).__name__} like {like!r} (finite): the "
+            "checkpoint is corrupted or of another optimizer."
+        )

@@ -14,7 +14,9 @@ import bisect
 import copy
 import itertools
 import logging
+import sys
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -31,7 +33,13 @@ from gradshare.codec import multipart
 from gradshare.codec._flat import slices
 from gradshare.distributed._overlap import InFlightRound
 from gradshare.distributed.agreement import agree
-from gradshare.distributed.checkpoint import check_counter, check_encoder_state, check_mapping
+from gradshare.distributed.buffers import BufferSync
+from gradshare.distributed.checkpoint import (
+    check_counter,
+    check_encoder_state,
+    check_mapping,
+    check_optimizer_state,
+)
 from gradshare.distributed.exchange import (
     PrivateGroup,
     collective,
@@ -40,10 +48,15 @@ from gradshare.distributed.exchange import (
     largest_message,
     rank_names,
 )
-from gradshare.distributed.metrics import is_adaptive, share_metrics
+from gradshare.distributed.metrics import Unsent, is_adaptive, share_metrics
 from gradshare.encoding.encoder import Encoder
 from gradshare.encoding.options import EncodingOptions, encoding_options
-from gradshare.encoding.threshold import BITMAP_DENSITY, QuantileThreshold, ThresholdAlgorithm
+from gradshare.encoding.threshold import (
+    BITMAP_DENSITY,
+    QuantileThreshold,
+    ThresholdAlgorithm,
+    sends_whole,
+)
 
 __all__ = [
     "DEFAULT_DECAY",
@@ -148,12 +161,19 @@ class LocalSteps:
     2. residual = β·residual + Δ (β = ``decay``; β = 1 is DL4J's residual);
     3. the residual is threshold-encoded (one :class:`~gradshare.Encoder` per parameter,
        :class:`~gradshare.QuantileThreshold` of ``density`` by default; sparse indices, or a
-       bitmap when too many cross): what is sent leaves the residual, the rest waits;
+       bitmap when too many cross): what is sent leaves the residual, the rest waits. A
+       parameter too small for that (fewer than 2 entries at ``density``: scalars, the biases
+       and norms of narrow layers; :func:`~gradshare.encoding.threshold.sends_whole`) sends
+       all of its residual, a dense piece of float32 values, so every parameter trains;
     4. every rank's message (its parameters' pieces back to back) is all-gathered;
     5. every piece is validated whole, and the pieces are decoded in rank order into their
        sum, divided by the world size: the average outer gradient, alike on every rank;
-    6. the outer optimizer steps the global copy with that average as its gradient;
-    7. the global copy is copied into the model: replicas are bit-identical after a sync.
+    6. the outer optimizer steps the global copy with that average as its gradient (a
+       step that turns it non-finite raises, naming the outer optimizer, and syncing stops);
+    7. the global copy is copied into the model: the replicas' parameters are bit-identical
+       after a sync; so are their buffers (BatchNorm's statistics: rank 0's, as DDP does,
+       sent with step 1 only where they differ; ``broadcast_buffers``). Each rank's inner
+       optimizer state stays its own.
 
     With ``dense=True`` (or ``density=1.0``) step 2-5 are an exact float32 all-reduce of Δ
     (DiLoCo); with ``outer_optimizer=lambda p: torch.optim.SGD(p, lr=1.0)`` a dense sync
@@ -175,6 +195,9 @@ class LocalSteps:
     later than the others' (and the others would wait out the timeout). Pass
     ``grad_scaler=scaler``: iterations are then counted by ``scaler.update()``, which every
     rank calls every iteration, and a rank whose step was skipped still syncs when due.
+    Without it, LocalSteps refuses (a RuntimeError at the first step) once it sees a
+    GradScaler step the optimizer. The global copy of a float16 or bfloat16 model is kept
+    in float32.
 
     Overlap (``overlap=τ``, an int in [1, ``sync_every``]; ``True`` is ``sync_every``): the
     exchange runs in a background thread while the ranks take their next τ inner steps,
@@ -221,6 +244,8 @@ class LocalSteps:
             steps between two fragments' syncs. 1 (the whole model at once) by default.
         grad_scaler: the run's ``torch.amp.GradScaler``, to count iterations by its
             ``update()`` (see above).
+        broadcast_buffers: make the model's buffers rank 0's at every sync (True by
+            default, as DDP does before every forward); False leaves each rank's own.
         compact: send each sparse piece in its compact form (:func:`gradshare.compact_message`:
             the gaps between indices in bytes, ~8-9 bits per entry instead of DL4J's 32),
             when that is shorter. Lossless: the replicas, residuals and losses are bit for
@@ -256,6 +281,7 @@ class LocalSteps:
         fragments: int = 1,
         grad_scaler: Any = None,
         compact: bool = False,
+        broadcast_buffers: bool = True,
         group: Any = None,
         options: EncodingOptions | None = None,
         **encoding: Any,
@@ -264,7 +290,10 @@ class LocalSteps:
         dense, threshold = self.options.dense, self.options.threshold
         _check_arguments(model, inner_optimizer, sync_every, density, decay, threshold, overlap,
                          fragments)  # fmt: skip
-        self.compact = _check_compact(compact)
+        self.compact = _check_bool(compact, "compact", "True sends sparse pieces in their "
+                                   "compact form, False in DL4J's")  # fmt: skip
+        _check_bool(broadcast_buffers, "broadcast_buffers", "True makes every rank's buffers "
+                    "rank 0's at each sync, as DDP does")  # fmt: skip
         if grad_scaler is not None and not callable(getattr(grad_scaler, "update", None)):
             raise TypeError(
                 f"Expect `grad_scaler` to be a torch.amp.GradScaler, got "
@@ -302,6 +331,12 @@ class LocalSteps:
         self._private = PrivateGroup(group, self.timeout)
         self._world = dist.get_world_size(group)
         self._rank = dist.get_rank(group)
+        self._buffers = BufferSync(model if broadcast_buffers else torch.nn.Module(),
+                                   self._private, self.device)  # fmt: skip
+        """The model's buffers, made rank 0's at every sync (``broadcast_buffers``)."""
+        self._unsent = Unsent("LocalSteps")
+        self._broken: str | None = None
+        """Why syncing stopped for good (an outer step that overflowed), or None."""
         # state
         self.steps = 0
         """Inner iterations counted (steps, or ``update()`` calls with a grad scaler)."""
@@ -334,15 +369,22 @@ class LocalSteps:
             device=self.device,
         )  # before anything: every rank alike
         self._broadcast_from_rank0()
+        self._buffers.sync()
         self.global_params = [
-            p.detach().to(self.home, copy=True).requires_grad_(False) for p in self.params
+            p.detach().to(self.home, _global_dtype(p.dtype), copy=True).requires_grad_(False)
+            for p in self.params
         ]
-        """The global copy: the parameters every replica starts each round from."""
+        """The global copy: the parameters every replica starts each round from (float32
+        for float16 and bfloat16 parameters, so that small outer steps are not rounded
+        away)."""
         self.outer = outer(self.global_params)
         self.encoders: list[Encoder] = [] if self.dense else [
             self.options.encoder(self._algorithm()) for _ in self.params
         ]  # fmt: skip
         """Per parameter: its residual and threshold state (none for dense syncs)."""
+        self._whole = [not self.dense and sends_whole(self._algorithm(), p.numel())
+                       for p in self.params]  # fmt: skip
+        """Per parameter: too small for threshold messages, so sent whole (a dense piece)."""
         f32, home = torch.float32, self.home
         self._delta = torch.zeros(self.numel if self.dense or self.overlap else 0, dtype=f32,
                                   device=home)  # fmt: skip
@@ -364,6 +406,7 @@ class LocalSteps:
         round's start less the global copy (the carry)."""
         self._scaler = grad_scaler
         self._handle: Any = None
+        _SYNCED[inner_optimizer] = None
         if grad_scaler is None:
             self._handle = inner_optimizer.register_step_post_hook(self._after_step)
         else:
@@ -412,9 +455,20 @@ class LocalSteps:
     # ------------------------------------------------------------------ counting
 
     def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self._broken is None and _driving_scaler():
+            self._broken = (
+                "LocalSteps counts inner steps, but a torch.amp.GradScaler steps this "
+                "optimizer, and it skips the step on a rank whose gradients overflowed: that "
+                "rank would sync one step late in every round (and the others wait for it). "
+                "Pass `grad_scaler=scaler` to LocalSteps: it then counts iterations by "
+                "`scaler.update()`, which every rank calls. Syncing stopped; close() this "
+                "LocalSteps and build it again with the scaler."
+            )
         self._tick()
 
     def _tick(self) -> None:
+        if self._broken is not None:  # syncing stopped for good: say why at every step
+            raise RuntimeError(self._broken)
         self.steps += 1
         flight, h = self._flight, self.sync_every
         merge = (flight is not None and not self._lead_mode()
@@ -454,12 +508,15 @@ class LocalSteps:
                        zip(self.names, self._shapes(), self.params, strict=True)],
             "grad_scaler": self._scaler_counts,
             "compact": self.compact,
+            "buffers": self._buffers.layout(),
         }  # fmt: skip
 
     def _header_exchange(self, what: str, status: int = _OK, bad: int = -1) -> list[list[int]]:
-        """All-gather every rank's ``[round, status, bad_parameter]``; raise the same error on
-        every rank when the rounds differ. Returns the table (one row per rank)."""
-        header = torch.tensor([self.syncs, status, bad], dtype=torch.int64, device=self.device)
+        """All-gather every rank's ``[round, status, bad_parameter]`` and its buffers'
+        digests; raise the same error on every rank when the rounds differ. Returns the table
+        (one row per rank)."""
+        row = [self.syncs, status, bad, *self._buffers.digests()]
+        header = torch.tensor(row, dtype=torch.int64, device=self.device)
         headers = [torch.empty_like(header) for _ in range(self._world)]
         collective(dist.all_gather, headers, header, group=self._private.get(),
                    timeout=self.timeout, what=f"sync header ({what})", rank=self._rank)  # fmt: skip
@@ -490,6 +547,8 @@ class LocalSteps:
             if failure is not None:
                 raise failure
             self._check_status(table)
+            sent = self._buffers.take([row[len(_FIELDS) :] for row in table])  # where differ
+            self.bytes_sent += sent if self._rank == 0 else 0  # rank 0 sent them
         except BaseException:
             if failure is None:  # Δ went into the residuals: they go back
                 self._restore_residuals(part)
@@ -721,10 +780,15 @@ class LocalSteps:
         try:
             for enc, state, keep in zip(encoders, before, self._backups(part), strict=True):
                 state["residual"] = keep
-                message = enc.encode(None, self.syncs)
+                message: torch.Tensor | None
+                if self._whole[part.first + len(sent)]:  # too small: a dense piece
+                    message = enc.encode_whole(None, self.syncs)
+                else:
+                    message = enc.encode(None, self.syncs)
                 if self.compact and message is not None:
                     message = codec.compact_message(message)
                 assert enc.last_stats is not None
+                self._unsent.count(self.names[part.first + len(sent)], enc.last_stats)
                 sent.append((message, enc.last_stats.threshold))
             mine = multipart.join_messages(
                 [m for m, _ in sent], sizes, [t for _, t in sent], self.home
@@ -779,9 +843,26 @@ class LocalSteps:
         ``_mean`` (the other parameters have no gradient: it leaves them as they are)."""
         for g, m in zip(self._globals(part), self._pieces(self._mean, part), strict=True):
             g.grad = m.view_as(g).to(g.dtype)
-        self.outer.step()
+        failure = None
+        try:
+            self.outer.step()
+        except Exception as e:  # e.g. an lr that does not fit the global copy's dtype
+            failure = f"raised {type(e).__name__}: {e}"
         for g in self._globals(part):
             g.grad = None
+        if failure is None:
+            bad = [i for i, g in enumerate(self._globals(part), part.first)
+                   if codec.find_nonfinite(g.reshape(-1))[0]]  # fmt: skip
+            if bad:
+                failure = f"turned the global copy of parameter {self.names[bad[0]]!r} non-finite"
+        if failure is not None:
+            self._broken = (
+                f"LocalSteps sync round {self.syncs}: the outer step {failure} (outer optimizer "
+                f"{self._outer_text}), from a finite mean outer gradient: its learning rate is "
+                "too large for it. The model kept its replica and syncing stopped; resume from "
+                "a checkpoint with a lower outer learning rate."
+            )
+            raise ValueError(self._broken)
 
     def _take_global(self, part: _Fragment) -> None:
         """Step 7: ``part``'s parameters take the global copy."""
@@ -820,11 +901,13 @@ class LocalSteps:
 
     def metrics(self) -> dict[str, float]:
         """``bytes_sent``, ``dense_bytes``, ``compression``, ``density`` and ``threshold``
-        (the mean of the parameters' thresholds) of the last sync whose exchange completed
-        (:func:`~gradshare.distributed.metrics.share_metrics`)."""
+        (the mean of the parameters' thresholds) of the last sync whose exchange completed,
+        and ``stalled``, the parameters that have sent nothing for many syncs while holding a
+        residual (:func:`~gradshare.distributed.metrics.share_metrics`)."""
         shown = self._round
         stats = shown.shown if shown is not None else [e.last_stats for e in self.encoders]
-        return share_metrics(self.bytes_sent, self.dense_bytes, stats, encoded=not self.dense)
+        return share_metrics(self.bytes_sent, self.dense_bytes, stats, encoded=not self.dense,
+                             stalled=self._unsent.stalled())  # fmt: skip
 
     # ------------------------------------------------------------------ checkpointing
 
@@ -841,6 +924,7 @@ class LocalSteps:
             "rank": self._rank,
             "names": list(self.names),
             "shapes": self._shapes(),
+            "outer_optimizer": self._outer_text,
         }
 
     def state_dict(self) -> dict[str, Any]:
@@ -899,12 +983,15 @@ class LocalSteps:
             )
         here, saved = self._settings(), check_mapping(state["settings"], "`settings`")
         saved = {"fragments": 1, **saved}  # before fragments: one
+        # before the outer optimizer was recorded: not known; its state is checked below
+        saved = {"outer_optimizer": here["outer_optimizer"], **saved}
         if legacy:
             saved = {"overlap": False, **saved}
         if old_overlap:  # (legacy too) a bool then: True was a merge at the next sync
             saved = {**saved, "overlap": self.sync_every if saved.get("overlap") is True else 0}
         counters = {k: check_counter(state, k, "LocalSteps state")
                     for k in ("steps", "syncs", "bytes_sent", "dense_bytes")}  # fmt: skip
+        self._check_counters(counters["steps"], counters["syncs"])
         differ = [k for k in here if saved.get(k) != here[k]]
         if differ:
             raise ValueError(
@@ -918,12 +1005,15 @@ class LocalSteps:
                              "checkpoint is corrupted.")  # fmt: skip
         glob = state["global"]
         if len(glob) != len(self.params) or any(
-            not isinstance(t, torch.Tensor) or t.shape != g.shape or not bool(t.isfinite().all())
-            for t, g in zip(glob, self.global_params, strict=False)
-        ):
+            not isinstance(t, torch.Tensor) or t.shape != g.shape
+            or t.dtype not in (g.dtype, p.dtype) or not bool(t.isfinite().all())
+            for t, g, p in zip(glob, self.global_params, self.params, strict=False)
+        ):  # fmt: skip
             raise ValueError(
                 "LocalSteps state's global copy does not match the model's parameters (count, "
-                "shape) or is not finite: the checkpoint is of another model or corrupted."
+                "shape, dtype: the global copy's, or the parameter's in states saved before "
+                "float16 and bfloat16 models kept a float32 copy) or is not finite: the "
+                "checkpoint is of another model or corrupted."
             )
         if len(state["encoders"]) != len(self.encoders):
             raise ValueError(
@@ -931,7 +1021,7 @@ class LocalSteps:
                 f"{len(self.encoders)}: the checkpoint is of another model or mode."
             )
         probes = []
-        for _enc, saved_enc, p in zip(self.encoders, state["encoders"], self.params, strict=True):
+        for saved_enc, p in zip(state["encoders"], self.params[: len(self.encoders)], strict=True):
             check_encoder_state(saved_enc, p.numel(), "LocalSteps state")
             probe = self.options.encoder(self._algorithm())
             probe.load_state_dict(saved_enc)  # refuses a bad residual or another algorithm
@@ -958,6 +1048,13 @@ class LocalSteps:
         if old_overlap and pending is not None:  # its round was sent from the start then
             start = torch.cat([t.reshape(-1).to(self._mean) for t in glob])
             base = start if base is None else base.to(start) + start
+        if pending is not None and base is None:
+            raise ValueError(
+                "LocalSteps state has a round waiting for its merge (`pending`) but not where "
+                "it was sent from (`base` is None): the state mixes two runs or is corrupted."
+            )
+        check_optimizer_state(self.outer, state["outer"], self.global_params,
+                              "LocalSteps state's outer optimizer state")  # fmt: skip
         copy.deepcopy(self.outer).load_state_dict(state["outer"])  # refuses another's state
         # everything checked: change
         if self._round is not None:
@@ -978,6 +1075,19 @@ class LocalSteps:
         self.syncs = counters["syncs"]
         self.bytes_sent = counters["bytes_sent"]
         self.dense_bytes = counters["dense_bytes"]
+
+    def _check_counters(self, steps: int, syncs: int) -> None:
+        """Refuse counters that no run reaches: more syncs than ``steps`` inner steps hold
+        (fewer is a run whose failed syncs were caught), or ``steps`` past 2**53."""
+        h = self.sync_every
+        due = sum(0 if steps < f.offset else (steps - f.offset) // h + (f.offset > 0)
+                  for f in self._parts)  # fmt: skip
+        if steps >= 2**53 or syncs > due:
+            raise ValueError(
+                f"LocalSteps state's counters disagree: `steps` {steps} and `syncs` {syncs}, "
+                f"where {steps} inner steps hold at most {min(due, 2**53)} syncs at "
+                f"sync_every={h}: the checkpoint is corrupted."
+            )
 
     def _check_vector(self, value: Any, what: str) -> None:
         """A saved overlap vector: None, or (with overlap) a finite float32 vector."""
@@ -1012,6 +1122,7 @@ class LocalSteps:
                 self._round.close()
 
     def _unhook(self) -> None:
+        _SYNCED.pop(self.inner, None)
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
@@ -1037,13 +1148,35 @@ class LocalSteps:
         )
 
 
-def _check_compact(compact: Any) -> bool:
-    if not isinstance(compact, bool):
-        raise TypeError(
-            f"Expect `compact` True or False, got {compact!r}: True sends sparse pieces in "
-            "their compact form, False in DL4J's."
-        )
-    return compact
+def _check_bool(value: Any, name: str, meaning: str) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"Expect `{name}` True or False, got {value!r}: {meaning}.")
+    return value
+
+
+def _global_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The global copy's dtype for parameters of ``dtype``: at least float32."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+_SYNCED: weakref.WeakKeyDictionary[torch.optim.Optimizer, None] = weakref.WeakKeyDictionary()
+"""The inner optimizers a LocalSteps hooks now (until its :meth:`~LocalSteps.close`)."""
+
+
+def _driving_scaler() -> bool:
+    """Whether an enabled ``torch.amp.GradScaler`` called the optimizer step that runs this
+    hook (its ``step`` is on the stack a few frames up)."""
+    from torch.amp import GradScaler
+
+    frame: Any = sys._getframe(2)
+    for _ in range(12):
+        if frame is None:
+            return False
+        scaler = frame.f_locals.get("self")
+        if isinstance(scaler, GradScaler):
+            return scaler.is_enabled()  # a disabled one steps every time
+        frame = frame.f_back
+    return False
 
 
 def _overlap_steps(overlap: bool | int, sync_every: int) -> int:
@@ -1133,6 +1266,26 @@ def _check_arguments(
     count = sum(1 for _ in model.parameters())
     if not count:
         raise ValueError("Expect a model with parameters: there is nothing to sync.")
+    complex_ = [n for n, p in model.named_parameters() if p.is_complex()]
+    if complex_:
+        raise TypeError(
+            f"Expect real parameters, got complex {complex_[0]!r} (of {len(complex_)}): its "
+            "imaginary moves would not be synced. Keep it as a real parameter "
+            "(torch.view_as_real) and view it as complex in forward."
+        )
+    held = {id(p) for g in inner.param_groups for p in g["params"]}
+    if not any(id(p) in held for p in model.parameters()):
+        raise ValueError(
+            "Expect `inner_optimizer` to step the model's parameters, but it holds none of "
+            "them: LocalSteps syncs the replicas after that optimizer's steps. Build it from "
+            "`model.parameters()` (after any wrapping that replaces them)."
+        )
+    if inner in _SYNCED:
+        raise ValueError(
+            "Expect one LocalSteps per inner optimizer, but another one syncs this optimizer "
+            "already (two would hook its steps twice and keep two global copies): close() "
+            "the first, or leave its `with` block, before building another."
+        )
     if (
         isinstance(fragments, bool)
         or not isinstance(fragments, int)

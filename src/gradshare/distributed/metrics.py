@@ -1,8 +1,10 @@
 """What every sharing mode reports, under one naming, and the warnings for settings that lose.
 
 :func:`share_metrics` gives ``bytes_sent``, ``dense_bytes``, ``compression`` (dense bytes /
-sent bytes), ``density`` (the kept fraction of the last step) and ``threshold`` (its t; the
-mean over parameters where each has its own). ``SharedOptimizer.metrics()``,
+sent bytes), ``density`` (the kept fraction of the last step), ``threshold`` (its t; the
+mean over parameters where each has its own) and ``stalled`` (the tensors that have sent
+nothing for :data:`STALLED_AFTER` exchanges in a row while they held a residual:
+:class:`Unsent`). ``SharedOptimizer.metrics()``,
 ``ThresholdHookState.metrics()`` and ``LocalSteps.metrics()`` return it; the integrations put
 it in Lightning's ``self.log`` and Trainer's logs.
 """
@@ -17,7 +19,15 @@ import torch
 
 from gradshare.encoding.encoder import EncodeStats
 
-__all__ = ["ADAPTIVE_OPTIMIZERS", "is_adaptive", "share_metrics", "warn_if_adaptive", "warn_once"]
+__all__ = [
+    "ADAPTIVE_OPTIMIZERS",
+    "STALLED_AFTER",
+    "Unsent",
+    "is_adaptive",
+    "share_metrics",
+    "warn_if_adaptive",
+    "warn_once",
+]
 
 ADAPTIVE_OPTIMIZERS = ("Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "RMSprop")
 """Optimizers that rescale each element: sharing their gradients (the hook) loses to sharing
@@ -71,25 +81,64 @@ def warn_if_adaptive(optimizer: object, where: str) -> bool:
     return True
 
 
+STALLED_AFTER = 100
+"""Exchanges in a row after which a tensor that held a residual and sent nothing is reported
+(:class:`Unsent`)."""
+
+
+class Unsent:
+    """Per tensor: the exchanges in a row in which it sent nothing while its residual held
+    something. A tensor that reaches :data:`STALLED_AFTER` is named in a warning (once per
+    process) and counted in ``stalled`` of :func:`share_metrics`: its threshold is too high
+    for it, and its update waits in the residual."""
+
+    __slots__ = ("counts", "what")
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        """Who counts, for the warning (``"LocalSteps"``, ``"the DDP hook"``)."""
+        self.counts: dict[object, int] = {}
+
+    def count(self, name: object, stats: EncodeStats | None) -> None:
+        """Count one exchange of tensor ``name`` by its encode ``stats``."""
+        held = stats is not None and stats.entries == 0 and stats.residual_norm > 0
+        n = self.counts[name] = self.counts.get(name, 0) + 1 if held else 0
+        if n == STALLED_AFTER:
+            assert stats is not None
+            text = (
+                f"{self.what}: parameter {name} has sent nothing for {n} exchanges in a row "
+                f"while its residual holds an update (L2 norm {stats.residual_norm:.3g}, "
+                f"threshold {stats.threshold:.3g}): its update waits. Use QuantileThreshold "
+                "(it sends every tensor's largest entries) or a lower threshold."
+            )
+            warn_once(logging.getLogger(__name__), f"stalled {self.what} {name}", text)
+
+    def stalled(self) -> int:
+        """How many tensors have sent nothing for :data:`STALLED_AFTER` exchanges or more."""
+        return sum(1 for n in self.counts.values() if n >= STALLED_AFTER)
+
+
 def share_metrics(
     bytes_sent: int, dense_bytes: int, stats: Iterable[EncodeStats | None] = (), *,
-    encoded: bool = False,
+    encoded: bool = False, stalled: int = 0,
 ) -> dict[str, float]:  # fmt: skip
-    """The metrics of a sharing mode: its byte counters and its last step's encode stats.
+    """The metrics of a sharing mode: its byte counters, its last step's encode stats and
+    the count of ``stalled`` tensors (:class:`Unsent`).
 
     Without stats: density 1 and threshold 0 when the mode sends dense (``encoded=False``);
     NaN for both when it encodes but has not encoded since it started or loaded a state
-    (the stats of the step before a resume are not saved): not known yet, not dense."""
+    (the stats of the step before a resume are not saved): not known yet, not dense. The
+    threshold is the mean over the tensors sent by threshold (not those sent whole)."""
     last = [s for s in stats if s is not None]
     numel = sum(s.dense_bytes for s in last) // 4
     density = sum(s.entries for s in last) / numel if numel else (math.nan if encoded else 1.0)
-    threshold = (
-        sum(s.threshold for s in last) / len(last) if last else (math.nan if encoded else 0.0)
-    )
+    ts = [s.threshold for s in last if s.format != "dense"]
+    threshold = sum(ts) / len(ts) if ts else (math.nan if encoded and not last else 0.0)
     return {
         "bytes_sent": float(bytes_sent),
         "dense_bytes": float(dense_bytes),
         "compression": dense_bytes / bytes_sent if bytes_sent else float("inf"),
         "density": density,
         "threshold": threshold,
+        "stalled": float(stalled),
     }

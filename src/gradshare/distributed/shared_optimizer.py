@@ -29,6 +29,7 @@ import torch.distributed.nn.functional
 from gradshare import codec
 from gradshare.codec._flat import views
 from gradshare.distributed.agreement import agree
+from gradshare.distributed.buffers import BufferSync
 from gradshare.distributed.checkpoint import (
     check_counter,
     check_encoder_state,
@@ -148,6 +149,13 @@ class SharedOptimizer(OptimizerWrapper):
             ``"mean"`` over ranks; by default ``"mean"`` with ``ddp=``, since DDP averaged
             the gradients and the learning rate tuned for it stays right, else ``"sum"``),
             ``timeout`` (how long a collective may wait for the other ranks).
+        model: the model these parameters belong to, when it is not in DDP: its buffers
+            (BatchNorm's running statistics and the like, which each replica's forward
+            passes write) are made rank 0's after every step, as DDP does before every
+            forward, and only where they differ (:class:`~gradshare.distributed.buffers.
+            BufferSync`). Without it, or with ``broadcast_buffers=False``, buffers stay each
+            rank's own. With ``ddp=``, DDP syncs them (its ``broadcast_buffers``).
+        broadcast_buffers: make ``model``'s buffers alike at every step (default True).
         ddp: the ``DistributedDataParallel`` model these parameters belong to, for a model
             that stays wrapped in DDP (Lightning, accelerate, code that expects it). Its
             gradient all-reduce is replaced by a hook that leaves every gradient local (no
@@ -181,6 +189,8 @@ class SharedOptimizer(OptimizerWrapper):
         optimizer: torch.optim.Optimizer,
         *,
         process_group: Any = None,
+        model: torch.nn.Module | None = None,
+        broadcast_buffers: bool = True,
         ddp: DistributedDataParallel | None = None,
         hierarchical: bool | int = False,
         options: EncodingOptions | None = None,
@@ -220,6 +230,9 @@ class SharedOptimizer(OptimizerWrapper):
                 "`hierarchical` needs encoded updates: with `dense=True` the flat all-reduce "
                 "already is the dense exchange."
             )
+        synced = model if model is not None and ddp is None and broadcast_buffers else None
+        self._buffers = BufferSync(synced or torch.nn.Module(), self._private, self.device)
+        """``model``'s buffers, made rank 0's after every step (none with ``ddp=``)."""
         agree(self._settings(hierarchical), group=self._private.get(), timeout=self.timeout,
               what="SharedOptimizer", device=self.device)  # fmt: skip
         self.nodes = node_layout(hierarchical, process_group, self._private.get(), self.timeout)
@@ -233,6 +246,7 @@ class SharedOptimizer(OptimizerWrapper):
         """Zeros, for :func:`gradshare.codec.subtract_sum_`."""
         count_ranks_on_host(self._private.get())  # the kernels' share of the host
         self._broadcast_from_rank0(params)
+        self._buffers.sync()
         world = dist.get_world_size(process_group)
         if self.options.reduction is None and reduction == "sum" and world > 2:
             warn_once(logger, "shared-sum",
@@ -257,6 +271,7 @@ class SharedOptimizer(OptimizerWrapper):
             "reduction": self.reduction,
             "dense": self.options.dense,
             "hierarchical": hierarchical,
+            "buffers": self._buffers.layout(),
         }
         if self.encoder is not None:
             o = self.options
@@ -315,6 +330,7 @@ class SharedOptimizer(OptimizerWrapper):
                 self.bytes_sent += 0 if message is None else message.numel() * 4
         finally:  # the parameters before the local step, minus the shared sum if it applied
             self._unflatten(before, params)
+        self._buffers.sync()
         self.iteration += 1
         return loss
 

@@ -31,6 +31,7 @@ from gradshare.distributed.exchange import (
 )
 from gradshare.distributed.hosts import count_ranks_on_host
 from gradshare.encoding.options import EncodingOptions
+from gradshare.encoding.threshold import sends_whole
 
 __all__ = ["register_threshold_hook", "threshold_hook"]
 
@@ -48,7 +49,8 @@ def threshold_hook(
     1. check the bucket's gradient is finite, then, per parameter: with momentum ``m``,
        ``u = m*u + g``; add ``u`` (or ``g``) into the parameter's residual and encode what
        crossed its own threshold (sparse indices or a 2-bit bitmap; the rest stays in the
-       residual);
+       residual). A parameter too small for threshold messages (a scalar, a narrow bias:
+       :func:`~gradshare.encoding.threshold.sends_whole`) sends all of it, a dense piece;
     2. concatenate the parameters' messages, in bucket order, into this rank's message (a
        parameter that sends nothing puts an empty sparse header ``[0, N, t, 0]``; a rank
        whose parameters all send nothing sends no message);
@@ -199,16 +201,21 @@ def _encode_bucket(
         raise _nonfinite_error(grad, params, bad, first)
     m = state.momentum
     slices_of_grad = slices(grad, (n for _, n in params))
-    for (place, _), enc, g in zip(params, encoders, slices_of_grad, strict=True):
+    for (place, n), enc, g in zip(params, encoders, slices_of_grad, strict=True):
+        whole = sends_whole(enc.algorithm, n)  # too small for a threshold message
         if m:
             u = state.velocities.get(place)
             u = g.to(torch.float32, copy=True) if u is None else u.mul(m).add_(g)
-            message = enc.encode(u, iteration)  # checks u (m*u + g may overflow)
+            # either checks u (m*u + g may overflow)
+            message = enc.encode_whole(u, iteration) if whole else enc.encode(u, iteration)
             state.velocities[place] = u
+        elif whole:
+            message = enc.encode_whole(g, iteration)
         else:
             message = enc.encode(g, iteration, finite=True)
         assert enc.last_stats is not None
         state.last_stats[place] = enc.last_stats
+        state._runtime.unsent.count(place, enc.last_stats)
         sent.append((message, enc.last_stats.threshold))
 
 
@@ -245,7 +252,10 @@ def _split(message: torch.Tensor | None, params: list[Param], name: str) -> list
 
 def _mask_(velocity: torch.Tensor, message: torch.Tensor) -> None:
     """Step 5: zero ``velocity`` wherever ``message`` moves an element (momentum-factor
-    masking): a sparse message's indices, a bitmap's set codes (±t and DL4J's -t/2)."""
+    masking): a sparse message's indices, a bitmap's set codes (±t and DL4J's -t/2). A dense
+    piece holds nothing back, so its velocity is kept whole: momentum SGD on the mean."""
+    if int(message[3]) == codec.DENSE_ENCODING:
+        return
     if int(message[3]) == codec.FLEXIBLE_ENCODING:
         velocity[message[codec.HEADER_WORDS :].abs().long() - 1] = 0
     else:

@@ -13,7 +13,7 @@ from gradshare._checks import check_int
 from gradshare.distributed.checkpoint import check_format, check_saved_by, saved_by
 from gradshare.distributed.ddp_hook.parameters import Param, ParameterEncoders, Place
 from gradshare.distributed.exchange import Pipeline, PrivateGroup
-from gradshare.distributed.metrics import share_metrics
+from gradshare.distributed.metrics import Unsent, share_metrics
 from gradshare.encoding.encoder import Encoder, EncodeStats
 from gradshare.encoding.options import EncodingOptions, encoding_options
 from gradshare.encoding.threshold import ThresholdAlgorithm
@@ -157,12 +157,18 @@ class ThresholdHookState:
 
     def metrics(self) -> dict[str, float]:
         """``bytes_sent``, ``dense_bytes``, ``compression``, ``density`` and ``threshold``
-        (the mean of the parameters' thresholds) of the last step
-        (:func:`~gradshare.distributed.metrics.share_metrics`)."""
+        (the mean of the parameters' thresholds) of the last step, and ``stalled`` (the
+        parameters that have sent nothing for many steps while holding a residual;
+        :func:`~gradshare.distributed.metrics.share_metrics`)."""
         # the last iteration (self.iteration - 1) was encoded if it was at start_iter or after
         encoded = not self.options.dense and self.iteration > self.start_iter
-        return share_metrics(self.bytes_sent, self.dense_bytes, self.last_stats.values(),
-                             encoded=encoded)  # fmt: skip
+        return share_metrics(
+            self.bytes_sent,
+            self.dense_bytes,
+            self.last_stats.values(),
+            encoded=encoded,
+            stalled=self._runtime.unsent.stalled(),
+        )
 
     # ------------------------------------------------------------------ checkpointing
 
@@ -245,6 +251,7 @@ class _Runtime:
         "keys",
         "pipeline",
         "sizes",
+        "unsent",
         "watched",
     )
 
@@ -267,6 +274,8 @@ class _Runtime:
         """The first error of this backward pass's exchanges, for :meth:`raise_failure`."""
         self.watched: list[torch.futures.Future[torch.Tensor]] | None = None
         """This backward pass's futures, while a callback at its end is queued to check them."""
+        self.unsent = Unsent("the DDP hook")
+        """Per parameter place: the encoded steps in a row it sent nothing (a stat)."""
 
     def watch(
         self, future: torch.futures.Future[torch.Tensor], grad: torch.Tensor
