@@ -4,7 +4,8 @@ Each rank saves its own state (its residuals differ from every other rank's), so
 records the rank and world size that saved it and the format it is written in; a load checks
 both before anything changes. The other checks here let a load refuse junk with an error naming
 the field (a counter that is not a count, a residual of another dtype or length, a threshold
-state that is not a positive finite float) before anything changes, never half-way through.
+state that is not a positive finite float, a wrapped optimizer's learning rate that is not a
+number or a buffer of another shape) before anything changes, never half-way through.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ __all__ = [
     "check_encoder_state",
     "check_format",
     "check_mapping",
+    "check_optimizer_state",
     "check_saved_by",
     "saved_by",
 ]
@@ -85,8 +87,15 @@ def check_encoder_state(saved: Any, numel: int | None, what: str) -> None:
     """Refuse an :meth:`~gradshare.Encoder.state_dict` whose residual is not a 1-D float32
     tensor of ``numel`` elements (any length when None), or whose threshold state holds a
     last threshold that is not a finite float32 >= 0 (or a last density outside [0, 1]);
-    the encoder itself checks the rest (finite residual, the same algorithm and settings)."""
+    the encoder itself checks the rest (finite residual, the same algorithm and settings).
+    Also refuse a ``post_processor`` that is not a dict and a ``last`` (the feedback of the
+    last message) that is not ``[threshold, was_dense, density]``, which the encoder would
+    only trip over at its next step, or with an IndexError or TypeError."""
     saved = check_mapping(saved, f"{what}'s encoder state")
+    if "post_processor" in saved:
+        check_mapping(saved["post_processor"], f"{what}'s `post_processor`")
+    if "last" in saved:
+        _check_last(saved["last"], what)
     residual = saved.get("residual")
     if residual is not None:
         if not isinstance(residual, torch.Tensor) or residual.dim() != 1:
@@ -106,11 +115,135 @@ def check_encoder_state(saved: Any, numel: int | None, what: str) -> None:
     for name, low, high in (("last_threshold", 0.0, _LARGEST_THRESHOLD),
                             ("last_density", 0.0, 1.0)):  # fmt: skip
         value = algorithm.get(name)
-        if value is None:
-            continue
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        if not (ok and math.isfinite(value) and low <= value <= high):
+        if not _none_or_real(value, low, high):
             raise ValueError(
                 f"{what}'s threshold state has `{name}` {value!r}: expect None or a float in "
                 f"[{low:g}, {high:g}]; the checkpoint is corrupted."
             )
+
+
+def _none_or_real(value: Any, low: float, high: float) -> bool:
+    """Whether ``value`` is None or a finite int or float (not a bool) in [low, high]."""
+    if value is None:
+        return True
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    return ok and math.isfinite(value) and low <= value <= high
+
+
+def _check_last(last: Any, what: str) -> None:
+    """Refuse an encoder's ``last`` unless it is ``[threshold, was_dense, density]``, each
+    None or a threshold as above, a bool, a density in [0, 1]."""
+    ok = isinstance(last, (list, tuple)) and len(last) == 3
+    if ok:
+        threshold, dense, density = last
+        ok = (_none_or_real(threshold, 0.0, _LARGEST_THRESHOLD) and _none_or_real(density, 0, 1)
+              and (dense is None or isinstance(dense, bool)))  # fmt: skip
+    if not ok:
+        raise ValueError(
+            f"{what}'s `last` is {last!r}: expect [threshold, was_dense, density], each None "
+            f"or a float in [0, {_LARGEST_THRESHOLD:g}], a bool and a float in [0, 1] (the "
+            "last message's feedback); the checkpoint is corrupted."
+        )
+
+
+def check_optimizer_state(optimizer: torch.optim.Optimizer, saved: Any, what: str) -> None:
+    """Refuse a state dict of the wrapped ``optimizer`` that torch would take and then fail on
+    at the next step, or half-load: ``state`` not a dict of dicts, a hyperparameter of
+    another kind than this optimizer's (a learning rate ``"abc"`` or NaN, a ``betas`` of
+    one value), or a state tensor of another shape than the one it holds for that parameter
+    (or, for torch's own optimizers but LBFGS, one that does not broadcast to the parameter).
+
+    Groups of another number or size are left to torch, which refuses them before any change.
+    """
+    saved = check_mapping(saved, f"{what}'s optimizer state")
+    state = check_mapping(saved.get("state"), f"{what}'s optimizer `state`")
+    groups = saved.get("param_groups")
+    if not isinstance(groups, list) or not all(
+        isinstance(g, dict)
+        and isinstance(g.get("params"), (list, tuple))
+        and all(isinstance(k, int) for k in g["params"])
+        for g in groups
+    ):
+        raise ValueError(
+            f"Expect {what}'s optimizer `param_groups` to be a list of dicts, each with its "
+            "`params` as a list of ints: the checkpoint is corrupted or of something else."
+        )
+    ours = optimizer.param_groups
+    if [len(g["params"]) for g in groups] != [len(g["params"]) for g in ours]:
+        return  # torch names it
+    for i, (group, mine) in enumerate(zip(groups, ours, strict=True)):
+        for name, like in mine.items():
+            if name != "params" and name in group and not _same_kind(group[name], like):
+                raise ValueError(
+                    f"{what}'s optimizer param group {i} has `{name}` {group[name]!r}, this "
+                    f"optimizer {like!r}: expect a value of the same kind (a finite number for "
+                    "a number, as many items for a tuple); the checkpoint is corrupted."
+                )
+    saved_ids = [k for g in groups for k in g["params"]]
+    params = dict(zip(saved_ids, (p for g in ours for p in g["params"]), strict=True))
+    for key, entries in state.items():
+        entries = check_mapping(entries, f"{what}'s optimizer state of parameter {key!r}")
+        if key in params:
+            _check_param_state(optimizer, params[key], entries, f"{what}'s optimizer state of "
+                               f"parameter {key!r}")  # fmt: skip
+
+
+def _check_param_state(
+    optimizer: torch.optim.Optimizer, param: torch.Tensor, entries: dict[str, Any], where: str
+) -> None:
+    """Refuse a tensor of ``entries`` (the saved state of ``param``) of another shape than
+    this optimizer holds under its name, or, where it holds none, for torch's own optimizers
+    but LBFGS (whose every state tensor is like its parameter, a scalar or a factor of it:
+    Adafactor's), one that does not broadcast to the parameter's shape."""
+    held = optimizer.state.get(param, {})
+    broadcasts = type(optimizer).__module__.startswith("torch.optim.") and not isinstance(
+        optimizer, torch.optim.LBFGS
+    )
+    for name, value in entries.items():
+        if not isinstance(value, torch.Tensor):
+            continue
+        like = held.get(name)
+        if isinstance(like, torch.Tensor):
+            want = f"the shape of this optimizer's `{name}`, {tuple(like.shape)}"
+            fits = value.shape == like.shape
+        else:
+            want = "a shape that broadcasts to the parameter's"
+            fits = not broadcasts or _broadcasts(value.shape, param.shape)
+        if not fits:
+            raise ValueError(
+                f"{where} has `{name}` of shape {tuple(value.shape)}, for a parameter of shape "
+                f"{tuple(param.shape)}: expect {want}; the checkpoint is of another model, or "
+                "corrupted."
+            )
+
+
+def _same_kind(value: Any, like: Any) -> bool:
+    """Whether the saved hyperparameter ``value`` is of the kind of this optimizer's ``like``:
+    a bool for a bool, a finite number (or one-element tensor) for a number, a sequence of
+    as many such items for a tuple, a str for a str; anything where ``like`` is None."""
+    if like is None:
+        return True
+    if isinstance(like, bool):
+        return isinstance(value, bool)
+    if isinstance(like, (int, float, torch.Tensor)):
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = value.item()
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        return ok and math.isfinite(value)
+    if isinstance(like, (tuple, list)):
+        return (
+            isinstance(value, (tuple, list))
+            and len(value) == len(like)
+            and all(_same_kind(v, w) for v, w in zip(value, like, strict=True))
+        )
+    if isinstance(like, str):
+        return isinstance(value, str)
+    return True
+
+
+def _broadcasts(shape: torch.Size, to: torch.Size) -> bool:
+    """Whether a tensor of ``shape`` broadcasts to ``to`` without changing it."""
+    try:
+        return torch.broadcast_shapes(shape, to) == to
+    except RuntimeError:
+        return False
