@@ -15,6 +15,18 @@ def test_inspect_prints_each_step(capsys: pytest.CaptureFixture[str]) -> None:
     assert "total sent" in out
 
 
+def test_inspect_says_when_nothing_is_sent(capsys: pytest.CaptureFixture[str]) -> None:
+    """A step that sent no message printed a ratio of "infx", and the total "12000.0x less"
+    of 0 bytes sent."""
+    argv = ["inspect", "--numel", "1000", "--steps", "2", "--threshold", "fixed:10"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line[:4].strip().isdigit()]
+    assert len(rows) == 2 and all(" 0        4,000 nothing sent " in row for row in rows)
+    assert out.rstrip().endswith("total sent 0 bytes vs 8,000 dense: no step sent a message")
+    assert "inf" not in out
+
+
 @pytest.mark.parametrize(
     "argv",
     [

@@ -4,6 +4,7 @@ the kernels and on the torch path alike."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 
 import numpy as np
@@ -128,6 +129,17 @@ class TestDecoders:
         with pytest.raises(MessageError, match=r"rank 1, piece of parameter w .*compact"):
             split_message(broken, [3000, 7, 50], "rank 1", ["w", "b", "c"])
 
+    def test_multipart_refuses_an_entry_of_gap_zero(self) -> None:
+        """A piece whose first byte was 0x80 passed the split as index 0 (LocalSteps decodes
+        the split's pieces unchecked: the kernels dropped it, the torch path wrote element
+        N-1); a 2-rank exchange took it without an error."""
+        a = _random_sparse(3000, 0.04, seed=5)
+        joined = join_messages([compact_message(a), None], [3000, 7], [0.5] * 2,
+                               torch.device("cpu"))  # fmt: skip
+        joined[5:].view(torch.uint8)[0] = 0x80
+        with pytest.raises(MessageError, match=r"rank 1, piece of parameter w .* byte 0 is 0x80"):
+            split_message(joined, [3000, 7], "rank 1", ["w", "b"])
+
 
 def _good() -> torch.Tensor:
     return compact_message(_sparse(2000, [0, 127, 255, 509, 764, 937], [1, -1, 1, 1, -1, 1]))
@@ -173,6 +185,18 @@ class TestValidation:
         message[1] = 937
         self._rejects(message, 937, "last entry is at index 937, past N = 937")
 
+    def test_entry_of_gap_zero(self) -> None:
+        """Byte 0x80 (the sign bit, gap 0) expanded to entry 0 as the first byte and to a
+        repeated index after an entry; after escapes it is no entry of the format either.
+        ``message_info`` called such a message valid."""
+        for where in (0, 1, 8):  # the first entry; after an entry; after two escapes
+            message = _good()
+            message[5:].view(torch.uint8)[where] = 0x80
+            fault = f"byte {where} is 0x80, an entry of gap 0"
+            self._rejects(message, 2000, fault)
+            with pytest.raises(MessageError, match=fault):
+                message_info(message)
+
     def test_longer_than_its_sparse_message(self) -> None:
         message = compact_message(_sparse(10_000, list(range(0, 10_000, 1000))))
         assert int(message[3]) == FLEXIBLE_ENCODING  # too far apart: stays sparse
@@ -181,6 +205,48 @@ class TestValidation:
         long[5:].view(torch.uint8)[[19]] = 1
         long[5:].view(torch.uint8)[[0]] = 1
         self._rejects(long, 10_000, "no fewer than the 6 of the sparse message")
+
+
+def _as_the_format_says(payload: list[int], numel: int) -> list[int] | None:
+    """The signed 1-based entries of compact bytes read as docs/wire-format.md states the
+    form, or None where it breaks a rule of the payload."""
+    entries, pos = [], 0
+    for b in payload:
+        if b == 0:  # an escape
+            pos += 127
+            continue
+        if b & 127 == 0:  # an entry's gap is 1 to 127
+            return None
+        pos += b & 127
+        entries.append(-pos if b & 128 else pos)
+    return None if payload[-1] == 0 or pos > numel else entries
+
+
+def test_every_short_tail_as_the_format_says() -> None:
+    """Every tail of 1 to 3 bytes of 0, 1, 2, 0x7F, 0x80, 0x81, 0xFF after 8 entries of gap
+    1, for N within and past its reach: expanded to exactly the entries the format says, or
+    refused where it breaks a rule; what is accepted ascends strictly within 1..N. The kernel
+    and the torch path disagreed on a 0x80 and both let it through."""
+    alphabet = [0, 1, 2, 0x7F, 0x80, 0x81, 0xFF]
+    tails = itertools.chain.from_iterable(itertools.product(alphabet, repeat=r) for r in (1, 2, 3))
+    for tail in tails:
+        payload = [1] * 8 + list(tail)
+        k = sum(b != 0 for b in payload)
+        raw = bytes(payload) + bytes(-len(payload) % 4)
+        words = torch.frombuffer(bytearray(raw), dtype=torch.int32)
+        for numel in (9, 140, 400):
+            header = torch.tensor([k, numel, 1056964608, COMPACT_ENCODING, len(payload)],
+                                  dtype=torch.int32)  # fmt: skip
+            message = torch.cat([header, words])
+            want = _as_the_format_says(payload, numel)
+            try:
+                got = expand_message(message, numel)[4:].tolist()
+            except MessageError:
+                got = None
+            assert got == want, (tail, numel)
+            if got is not None:
+                index = [abs(e) for e in got]
+                assert all(0 < a < b <= numel for a, b in itertools.pairwise(index))
 
 
 @settings(

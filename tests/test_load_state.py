@@ -127,28 +127,60 @@ def _rank_shared(rank: int, world: int) -> dict[str, str]:
         "encoder None": _set(("gradshare", "encoder"), None),
         "numel": _set(("gradshare", "numel"), 1),
         "param_groups doubled": lambda s: s.update(param_groups=s["param_groups"] * 2),
+        "lr 'abc'": lambda s: s["param_groups"][0].update(lr="abc"),
+        "lr nan": lambda s: s["param_groups"][0].update(lr=float("nan")),
+        "betas (0.9,)": lambda s: s["param_groups"][0].update(betas=(0.9,)),
+        "amsgrad 'yes'": lambda s: s["param_groups"][0].update(amsgrad="yes"),
+        "exp_avg of 3 elements": lambda s: s["state"][0].update(exp_avg=torch.zeros(3)),
+        "exp_avg transposed": lambda s: s["state"][0].update(exp_avg=s["state"][0]["exp_avg"].T),
+        "state of param 0 None": lambda s: s["state"].update({0: None}),
+        "state None": _set(("state",), None),
+        "last [1e-3]": _set(("gradshare", "encoder", "last"), [1e-3]),
+        "last None": _set(("gradshare", "encoder", "last"), None),
+        "last 'x'": _set(("gradshare", "encoder", "last"), "x"),
+        "last 'xyz'": _set(("gradshare", "encoder", "last"), "xyz"),
+        "last ['x', False, 0.1]": _set(("gradshare", "encoder", "last"), ["x", False, 0.1]),
+        "last [1e-3, 'no', 0.1]": _set(("gradshare", "encoder", "last"), [1e-3, "no", 0.1]),
+        "last [1e-3, False, 2.0]": _set(("gradshare", "encoder", "last"), [1e-3, False, 2.0]),
+        "post_processor 'junk'": _set(("gradshare", "encoder", "post_processor"), "junk"),
+        "post_processor None": _set(("gradshare", "encoder", "post_processor"), None),
         **_junk_residuals(("gradshare", "encoder")),
         **_junk_thresholds(("gradshare", "encoder")),
     }
     out = _fuzz(valid, mutations, opt.load_state_dict, now)
     opt.load_state_dict(valid)  # the valid one still loads
     out["valid"] = "loaded" if opt.iteration == 3 else "wrong"
+    fresh = SharedOptimizer(torch.optim.Adam(toy_model().parameters(), lr=1e-2),
+                            threshold=FixedThreshold(1e-3))  # fmt: skip
+    unstepped = {k: v for k, v in mutations.items() if k.startswith(("exp_avg", "lr"))}
+    got = _fuzz(valid, unstepped, fresh.load_state_dict, fresh.state_dict)
+    out.update({f"fresh: {name}": result for name, result in got.items()})
+    fresh.load_state_dict(valid)
+    out["fresh: valid"] = "loaded" if fresh.iteration == 3 else "wrong"
     return out
 
 
 def test_shared_optimizer_refuses_junk_and_changes_nothing() -> None:
     """A mistyped `iteration` or `bytes_sent` was refused only after the optimizer state and
-    the residual were replaced; 2.7, an int64 residual or a threshold "abc" were accepted."""
+    the residual were replaced; 2.7, an int64 residual or a threshold "abc" were accepted.
+    A short `last` raised IndexError, `last` None TypeError and a `post_processor` "junk"
+    AttributeError; a `last` "xyz", a learning rate "abc" or an `exp_avg` of another shape
+    were taken (into a fresh optimizer too) and failed at the next step; a `state` of None
+    changed the optimizer before it raised."""
     got = spawn(_rank_shared, 1)[0].get()
-    assert got.pop("valid") == "loaded"
+    assert got.pop("valid") == got.pop("fresh: valid") == "loaded"
     for name, result in got.items():
         assert result.startswith("ValueError"), (name, result)
     names = {"iteration": "`iteration`", "bytes_sent": "`bytes_sent`",
-             "residual": "`residual`", "last_threshold": "`last_threshold`"}  # fmt: skip
+             "residual": "`residual`", "last_threshold": "`last_threshold`", "last": "`last`",
+             "post_processor": "`post_processor`", "lr": "`lr`", "betas": "`betas`",
+             "amsgrad": "`amsgrad`", "exp_avg": "`exp_avg`"}  # fmt: skip
     for name, result in got.items():
         for key, field in names.items():
-            if name.startswith(key) or key in name.split():
+            if key in name.split():
                 assert field in result, (name, result)
+    assert "of shape (3,), for a parameter of shape (16, 10)" in got["fresh: exp_avg of 3 elements"]
+    assert "is [0.001]: expect [threshold, was_dense, density]" in got["last [1e-3]"]
 
 
 def _rank_hook(rank: int, world: int) -> dict[str, str]:

@@ -835,10 +835,10 @@ class TestStateAtLoad:
         for r in refusals:
             out = r["outer"]
             assert "Invalid learning rate" in out["lr -5"], out["lr -5"]
-            assert "`lr`" in out["lr nan"] and "`lr`" in out["lr 'x'"]
-            assert "has shape (1, 10), the parameter (16, 10)" in out["buffer shape"]
+            assert "`lr` nan" in out["lr nan"] and "`lr` 'x'" in out["lr 'x'"]
+            assert "of shape (1, 10), for a parameter of shape (16, 10)" in out["buffer shape"]
             assert "non-finite" in out["buffer nan"]
-            assert "`state` and `param_groups`" in out["empty"]
+            assert "`state` to be a dict, got NoneType" in out["empty"]
             assert out["unchanged"]
 
     def test_junk_counters_and_global_copies_are_refused(self, refusals: list[dict]) -> None:

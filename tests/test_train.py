@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from gradshare.app import cli, train
+from gradshare.app import cli, report, train
 from gradshare.app.cli import main
+from gradshare.app.datasets import digits, digits_train_size
 from gradshare.app.report import COLUMNS
 
 from toys import Hostile
@@ -134,6 +135,9 @@ def test_command_line_is_built_from_train_config() -> None:
         (["--threshold", "adaptive:1e39"], "not a finite float32"),
         (["--seed", "18446744073709551616"], "--seed"),
         (["--seed", "-1"], "--seed"),
+        (["--local-steps", "100000"], "--local-steps 100000 is more than the 80 steps"),
+        (["--density", "1e-5"], "--density 1e-05 aims at 0.164 entries"),
+        (["--mode", "distributed", "--batch-size", "450"], "3 minibatches, fewer than the 4"),
         (["--lr", "1e30", "--workers", "1", "--epochs", "1"], "the dense run diverged"),
         (["--out", "/etc/hostname/run"], "cannot write to --out"),
     ],
@@ -148,6 +152,56 @@ def test_bad_option_exits_2_with_one_line(
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and says in err and "Traceback" not in err, err
     assert not any(tmp_path.iterdir())  # nothing written
+
+
+class TestSomethingIsSent:
+    """A setting under which a run sends nothing is refused before training: `--local-steps
+    100000` or `--density 1e-5` exited 0 after a full run with 0 bytes sent, chance accuracy
+    and a compression of "infx"."""
+
+    def test_local_steps_up_to_the_runs_steps(self) -> None:
+        """8 epochs of 43 minibatches (1348 images, 32 each) in rounds of 4: 80 steps."""
+        assert digits_train_size() == len(digits().y_train) == 1348
+        assert train.TrainConfig(local_steps=80).local_steps == 80
+        with pytest.raises(ValueError, match="expect --local-steps from 1 to 80 "):
+            train.TrainConfig(local_steps=81)
+        with pytest.raises(ValueError, match="expect --local-steps from 1 to 40 "):
+            train.TrainConfig(local_steps=41, epochs=4)
+        assert train.TrainConfig(local_steps=0, epochs=1).epochs == 1  # no local-steps run
+
+    def test_a_minibatch_for_every_process(self) -> None:
+        """Processes deal whole rounds: 1348 images in minibatches of 450 are 3, no round of
+        4 (every process run took no step); of 449, 4."""
+        config = train.TrainConfig(mode="distributed", batch_size=449, local_steps=0)
+        assert config.batch_size == 449
+        with pytest.raises(ValueError, match="expect --batch-size 449 or less, or fewer"):
+            train.TrainConfig(mode="distributed", batch_size=450, local_steps=0)
+        with pytest.raises(ValueError, match="3 minibatches, fewer than the 4 workers"):
+            train.TrainConfig(batch_size=450)  # the local-steps run is of processes
+        assert train.TrainConfig(batch_size=450, local_steps=0).batch_size == 450  # threads
+
+    def test_density_of_two_entries_of_the_largest_parameter(self) -> None:
+        """The largest parameter is the first layer's 64 x hidden weights; 2 entries of it."""
+        assert train.TrainConfig(density=2 / 16384).density == 2 / 16384
+        with pytest.raises(ValueError, match=r"aims at 1.97 entries .* \(16,384 elements\).*"
+                           r"expect --density 0.000123 or more"):  # fmt: skip
+            train.TrainConfig(density=1.2e-4)
+        assert train.TrainConfig(density=0.000123).density == 0.000123  # what it suggests
+        with pytest.raises(ValueError, match=r"\(6,400 elements\).* --density 0.000313 or"):
+            train.TrainConfig(hidden=100, density=3e-4)
+        assert train.TrainConfig(hidden=100, density=0.000313).hidden == 100
+        assert train.TrainConfig(local_steps=0, density=1e-5).density == 1e-5  # no such run
+        assert train.TrainConfig(density=1.0).density == 1.0  # dense syncs
+
+    def test_nothing_sent_is_said_in_words(self) -> None:
+        """A run that sent nothing (a threshold no update crosses) had a compression of
+        "infx" in the table and Infinity (not JSON) in summary.json."""
+        rows = [{"message_bytes": 0, "dense_bytes": 4000, "epoch": 0, "step": 0}]
+        result = train.RunResult("gradshare", rows, [{"epoch": 0, "loss": 2.3, "accuracy": 0.1}])
+        assert result.compression_ratio is None and result.summary()["compression_ratio"] is None
+        line = report.summary_table([result]).splitlines()[-1]
+        assert line.endswith(" 0          4,000 nothing sent") and "inf" not in line
+        assert report.compression_text(4000, 32) == "125.0x"
 
 
 def test_distributed_results_load_weights_only(

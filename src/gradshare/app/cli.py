@@ -29,6 +29,7 @@ import torch
 
 import gradshare
 from gradshare.app import train
+from gradshare.app.report import compression_text
 from gradshare.encoding.encoder import Encoder
 from gradshare.encoding.residual import ResidualPostProcessor
 from gradshare.encoding.threshold import ThresholdAlgorithm
@@ -78,7 +79,7 @@ def inspect(args: argparse.Namespace) -> None:
     )
     head = (
         f"{'step':>4} {'format':<7} {'threshold':>10} {'entries':>10} {'density':>8} "
-        f"{'bytes':>11} {'dense bytes':>12} {'ratio':>8} {'residual L2':>12}"
+        f"{'bytes':>11} {'dense bytes':>12} {'ratio':>12} {'residual L2':>12}"
     )
     print(head)
     print("-" * len(head))
@@ -91,10 +92,11 @@ def inspect(args: argparse.Namespace) -> None:
         print(
             f"{step:>4} {s.format or '-':<7} {s.threshold:>10.3e} {s.entries:>10,} "
             f"{s.density:>8.4f} {s.message_bytes:>11,} {s.dense_bytes:>12,} "
-            f"{s.compression_ratio:>7.1f}x {s.residual_norm:>12.4e}"
+            f"{compression_text(s.dense_bytes, s.message_bytes):>12} {s.residual_norm:>12.4e}"
         )
     dense = args.numel * 4 * args.steps
-    print(f"\ntotal sent {sent:,} bytes vs {dense:,} dense: {dense / max(sent, 1):.1f}x less")
+    ratio = f"{compression_text(dense, sent)} less" if sent else "no step sent a message"
+    print(f"\ntotal sent {sent:,} bytes vs {dense:,} dense: {ratio}")
 
 
 def train_command(args: argparse.Namespace) -> None:

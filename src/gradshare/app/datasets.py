@@ -11,7 +11,23 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["Split", "digits", "minibatches", "mlp"]
+__all__ = [
+    "DIGITS_CLASSES",
+    "DIGITS_FEATURES",
+    "DIGITS_SAMPLES",
+    "Split",
+    "digits",
+    "digits_train_size",
+    "minibatches",
+    "mlp",
+]
+
+DIGITS_SAMPLES = 1797
+"""Images in scikit-learn's digits: the sizes are known before it is loaded (to check options)."""
+DIGITS_FEATURES = 64
+"""Features of a digits image (8x8 pixels)."""
+DIGITS_CLASSES = 10
+"""Its classes, the digits 0 to 9."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +65,11 @@ def digits(test_fraction: float = 0.25, seed: int = 0) -> Split:
     n_test = round(len(y) * test_fraction)
     test, train = order[:n_test], order[n_test:]
     return Split(x[train], y[train], x[test], y[test])
+
+
+def digits_train_size(test_fraction: float = 0.25) -> int:
+    """Training images of :func:`digits` with ``test_fraction``, without loading it."""
+    return DIGITS_SAMPLES - round(DIGITS_SAMPLES * test_fraction)
 
 
 def minibatches(

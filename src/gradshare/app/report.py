@@ -9,12 +9,17 @@ from typing import Any
 
 from gradshare.app.train import RunResult, TrainConfig
 
-__all__ = ["COLUMNS", "summary_table", "write_outputs", "write_tensorboard"]
+__all__ = ["COLUMNS", "compression_text", "summary_table", "write_outputs", "write_tensorboard"]
 
 COLUMNS = [
     "run", "epoch", "step", "worker", "loss", "threshold", "density", "message_bytes",
     "dense_bytes", "format", "residual_norm", "clipped",
 ]  # fmt: skip
+
+
+def compression_text(dense_bytes: int, sent_bytes: int) -> str:
+    """Dense bytes / sent bytes as ``"12.3x"``, or ``"nothing sent"`` (no ratio) for 0 sent."""
+    return f"{dense_bytes / sent_bytes:.1f}x" if sent_bytes else "nothing sent"
 
 
 def summary_table(results: list[RunResult]) -> str:
@@ -26,7 +31,7 @@ def summary_table(results: list[RunResult]) -> str:
     for r in results:
         lines.append(
             f"{r.name:<12} {r.accuracy:>9.4f} {r.seconds:>8.1f} {r.bytes_sent:>14,} "
-            f"{r.dense_bytes:>14,} {r.compression_ratio:>11.1f}x"
+            f"{r.dense_bytes:>14,} {compression_text(r.dense_bytes, r.bytes_sent):>12}"
         )
     return "\n".join(lines)
 

@@ -26,7 +26,15 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
-from gradshare.app.datasets import Split, digits, minibatches, mlp
+from gradshare.app.datasets import (
+    DIGITS_CLASSES,
+    DIGITS_FEATURES,
+    Split,
+    digits,
+    digits_train_size,
+    minibatches,
+    mlp,
+)
 from gradshare.codec import NonFiniteUpdate, float32_threshold
 from gradshare.distributed.hosts import rendezvous_port
 from gradshare.encoding.residual import ResidualClipping, ResidualPostProcessor
@@ -137,9 +145,13 @@ class TrainConfig:
     device: str = "cpu"
     """cpu or cuda[:N]."""
     local_steps: int = 5
-    """Inner steps between the syncs of the local-steps run (0: no such run)."""
+    """Inner steps between the syncs of the local-steps run (0: no such run).
+
+    At most the run's steps: a run that never syncs sends nothing."""
     density: float = 0.04
-    """Fraction of each parameter a local-steps sync sends, in (0, 1/16), or 1.0 (dense)."""
+    """Fraction of each parameter a local-steps sync sends, in (0, 1/16), or 1.0 (dense).
+
+    At least 2 entries of the largest parameter: fewer send nothing (DL4J's rule)."""
     compact: bool = False
     """Send the local-steps syncs' sparse pieces in their compact form (a byte per entry)."""
     runs: tuple[str, ...] = ("dense", "gradshare", "local-steps")
@@ -161,6 +173,7 @@ class TrainConfig:
                 raise ValueError(
                     f"--{name.replace('_', '-')} must be an integer >= 1, got {value!r}"
                 )
+        self._check_something_is_sent()
         seed = self.seed
         if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
             raise ValueError(f"--seed must be an integer from 0 to 2**63 - 1, got {seed!r}")
@@ -192,6 +205,40 @@ class TrainConfig:
         if device.type not in ("cpu", "cuda"):
             raise ValueError(f"--device must be cpu or cuda, got {self.device!r}")
 
+    def _check_something_is_sent(self) -> None:
+        """Refuse settings under which a run of processes takes no step, or the local-steps
+        run never syncs or sends no entry: it would train alone and report 0 bytes sent."""
+        images = digits_train_size()
+        batches = -(-images // self.batch_size)
+        rounds = batches // self.workers  # processes take whole rounds, one batch per worker
+        processes = self.mode == "distributed" or self.local_steps
+        if processes and rounds == 0:  # so 2 workers or more
+            most = -(-images // (self.workers - 1)) - 1  # the largest that cuts >= workers
+            raise ValueError(
+                f"--batch-size {self.batch_size} cuts the {images} training images into "
+                f"{batches} minibatches, fewer than the {self.workers} workers: processes take "
+                "whole rounds of one minibatch per worker, so no step would be taken; expect "
+                f"--batch-size {most} or less, or fewer --workers"
+            )
+        steps = self.epochs * rounds
+        if self.local_steps > steps:
+            raise ValueError(
+                f"--local-steps {self.local_steps} is more than the {steps} steps of the "
+                f"local-steps run ({self.epochs} epochs of {rounds} rounds): it would never "
+                f"sync, and send nothing; expect --local-steps from 1 to {steps} (0: no such run)"
+            )
+        largest = max(DIGITS_FEATURES * self.hidden, self.hidden * DIGITS_CLASSES)
+        if self.local_steps and self.density < 1 and self.density * largest < 2:
+            least = 2 / largest
+            scale = 10.0 ** (2 - math.floor(math.log10(least)))  # 3 digits, rounded up
+            raise ValueError(
+                f"--density {self.density:g} aims at {self.density * largest:.3g} entries of "
+                f"the largest parameter ({largest:,} elements) per sync, fewer than the 2 a "
+                "message needs (DL4J's rule: fewer than 2 send nothing), so the local-steps "
+                f"run would send little or nothing; expect --density "
+                f"{math.ceil(least * scale) / scale:g} or more (or 1.0: dense syncs)"
+            )
+
 
 @dataclass
 class RunResult:
@@ -217,8 +264,9 @@ class RunResult:
         return sum(r["dense_bytes"] for r in self.rows)
 
     @property
-    def compression_ratio(self) -> float:
-        return self.dense_bytes / self.bytes_sent if self.bytes_sent else float("inf")
+    def compression_ratio(self) -> float | None:
+        """Dense bytes / sent bytes; None when nothing was sent."""
+        return self.dense_bytes / self.bytes_sent if self.bytes_sent else None
 
     def summary(self) -> dict[str, Any]:
         return {

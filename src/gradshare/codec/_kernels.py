@@ -758,7 +758,8 @@ def compact_entries(entries, payload, limit):  # pragma: no cover - compiled
 def expand_entries(data, out, numel):  # pragma: no cover - compiled
     """The signed 1-based entries of the compact bytes ``data`` into int32 ``out`` (K long):
     0, or 1 when the bytes are not a valid compact payload of K entries for ``numel``
-    elements (the caller's torch path then names the fault)."""
+    elements (the caller's torch path then names the fault). An entry's gap is 1..127, so
+    the indices it accepts strictly ascend."""
     k = out.size
     if data.size == 0 or data[data.size - 1] == 0:
         return 1
@@ -769,8 +770,9 @@ def expand_entries(data, out, numel):  # pragma: no cover - compiled
         if b == 0:
             pos += GAP
             continue
-        pos += b & GAP
-        if j >= k or pos > numel:
+        gap = b & GAP
+        pos += gap
+        if gap == 0 or j >= k or pos > numel:
             return 1
         out[j] = -pos if b > GAP else pos
         j += 1

@@ -196,6 +196,12 @@ def expand_entries(data: torch.Tensor, k: int, numel: int) -> torch.Tensor | str
     if int(data[-1]) == 0:
         return "it ends with an escape byte; the last byte must be an entry"
     is_entry = data != 0
+    zero_gap = torch.nonzero(is_entry & ((data & GAP) == 0))  # 0x80: the sign bit alone
+    if zero_gap.numel():
+        return (
+            f"byte {int(zero_gap[0, 0])} is 0x80, an entry of gap 0 (the sign bit alone), whose "
+            "index would not ascend; expect a gap of 1 to 127 in an entry's bits 0-6"
+        )
     count = int(is_entry.sum())
     if count != k:
         return f"it holds {count} entry bytes, but the header says K = {k}"

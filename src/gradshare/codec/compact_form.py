@@ -96,8 +96,9 @@ def expand_message(message: torch.Tensor, numel: int) -> torch.Tensor:
 
     Raises:
         MessageError: naming the first fault (header against length, N, t, L, a message
-            longer than its sparse form, spare bytes set, a trailing escape, an entry count
-            other than K, an index past N).
+            longer than its sparse form, spare bytes set, a trailing escape, an entry of gap
+            0, an entry count other than K, an index past N). So the sparse message it
+            returns is valid: its indices strictly ascend in 1..N.
     """
 
     def fault(text: str) -> MessageError:

@@ -4,7 +4,8 @@ Each rank saves its own state (its residuals differ from every other rank's), so
 records the rank and world size that saved it and the format it is written in; a load checks
 both before anything changes. The other checks here let a load refuse junk with an error naming
 the field (a counter that is not a count, a residual of another dtype or length, a threshold
-state that is not a positive finite float) before anything changes, never half-way through.
+state that is not a positive finite float, a wrapped optimizer's learning rate that is not a
+number or a buffer of another shape) before anything changes, never half-way through.
 """
 
 from __future__ import annotations
@@ -86,8 +87,15 @@ def check_encoder_state(saved: Any, numel: int | None, what: str) -> None:
     """Refuse an :meth:`~gradshare.Encoder.state_dict` whose residual is not a 1-D float32
     tensor of ``numel`` elements (any length when None), or whose threshold state holds a
     last threshold that is not a finite float32 >= 0 (or a last density outside [0, 1]);
-    the encoder itself checks the rest (finite residual, the same algorithm and settings)."""
+    the encoder itself checks the rest (finite residual, the same algorithm and settings).
+    Also refuse a ``post_processor`` that is not a dict and a ``last`` (the feedback of the
+    last message) that is not ``[threshold, was_dense, density]``, which the encoder would
+    only trip over at its next step, or with an IndexError or TypeError."""
     saved = check_mapping(saved, f"{what}'s encoder state")
+    if "post_processor" in saved:
+        check_mapping(saved["post_processor"], f"{what}'s `post_processor`")
+    if "last" in saved:
+        _check_last(saved["last"], what)
     residual = saved.get("residual")
     if residual is not None:
         if not isinstance(residual, torch.Tensor) or residual.dim() != 1:
@@ -107,102 +115,167 @@ def check_encoder_state(saved: Any, numel: int | None, what: str) -> None:
     for name, low, high in (("last_threshold", 0.0, _LARGEST_THRESHOLD),
                             ("last_density", 0.0, 1.0)):  # fmt: skip
         value = algorithm.get(name)
-        if value is None:
-            continue
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        if not (ok and math.isfinite(value) and low <= value <= high):
+        if not _none_or_real(value, low, high):
             raise ValueError(
                 f"{what}'s threshold state has `{name}` {value!r}: expect None or a float in "
                 f"[{low:g}, {high:g}]; the checkpoint is corrupted."
             )
 
 
-def check_optimizer_state(
-    optimizer: torch.optim.Optimizer, saved: Any, params: list[torch.Tensor], what: str
-) -> None:
-    """Refuse a ``torch.optim`` state dict that does not fit ``optimizer`` (over ``params``),
-    before anything changes: ``state`` and ``param_groups`` present; as many groups, with the
-    same keys (another optimizer class has others: Adam's ``betas``) and as many parameters;
-    every hyperparameter of the type this optimizer holds, finite, and one its class accepts
-    (its constructor checks them: a negative learning rate); every state tensor finite, a
-    scalar or shaped like its parameter. ``torch``'s own ``load_state_dict`` checks only the
-    group sizes, and the rest fails at the next step (a ``KeyError``), or never."""
-    saved = check_mapping(saved, what)
-    if set(saved) != {"state", "param_groups"}:
-        raise ValueError(
-            f"Expect {what} to hold `state` and `param_groups` (an optimizer's state_dict), "
-            f"got keys {sorted(saved)}: the checkpoint is corrupted."
-        )
-    groups, ours = saved["param_groups"], optimizer.param_groups
-    if not isinstance(groups, list) or len(groups) != len(ours):
-        raise ValueError(
-            f"{what} has {len(groups) if isinstance(groups, list) else repr(groups)} parameter "
-            f"group(s), this {type(optimizer).__name__} {len(ours)}: it is of another optimizer."
-        )
-    for k, (group, mine) in enumerate(zip(groups, ours, strict=True)):
-        group = check_mapping(group, f"{what}'s parameter group {k}")
-        differ = sorted(set(group) ^ set(mine))
-        if differ:
-            raise ValueError(
-                f"{what}'s parameter group {k} differs in its settings {differ} from this "
-                f"{type(optimizer).__name__}'s: it was saved by another optimizer; build the "
-                "one that saved it."
-            )
-        if not isinstance(group["params"], list) or len(group["params"]) != len(mine["params"]):
-            raise ValueError(f"{what}'s parameter group {k} holds other parameters than this "
-                             "optimizer's: it is of another model.")  # fmt: skip
-        for name, value in group.items():
-            if name != "params":
-                _check_setting(value, mine[name], f"{what}'s `{name}` (group {k})")
-        known = {n: group[n] for n in optimizer.defaults if n in group}
-        try:
-            type(optimizer)([torch.zeros(1)], **known)  # its own checks (lr >= 0, betas, ...)
-        except (ValueError, TypeError) as e:
-            raise ValueError(f"{what}'s parameter group {k} is refused by "
-                             f"{type(optimizer).__name__}: {e}") from None  # fmt: skip
-    state = check_mapping(saved["state"], f"{what}'s `state`")
-    for key, entry in state.items():
-        if isinstance(key, bool) or not isinstance(key, int) or not 0 <= key < len(params):
-            raise ValueError(f"{what}'s `state` names parameter {key!r}, expect 0 to "
-                             f"{len(params) - 1}: the checkpoint is corrupted.")  # fmt: skip
-        entry = check_mapping(entry, f"{what}'s state of parameter {key}")
-        for name, value in entry.items():
-            where = f"{what}'s `{name}` of parameter {key}"
-            if isinstance(value, torch.Tensor):
-                if value.numel() != 1 and value.shape != params[key].shape:
-                    raise ValueError(
-                        f"{where} has shape {tuple(value.shape)}, the parameter "
-                        f"{tuple(params[key].shape)}: the checkpoint is of another model."
-                    )
-                if value.is_floating_point() and not bool(value.isfinite().all()):
-                    raise ValueError(f"{where} holds non-finite values: the checkpoint is "
-                                     "corrupted; resume from another.")  # fmt: skip
-            else:
-                _check_setting(value, value, where)
+def _none_or_real(value: Any, low: float, high: float) -> bool:
+    """Whether ``value`` is None or a finite int or float (not a bool) in [low, high]."""
+    if value is None:
+        return True
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    return ok and math.isfinite(value) and low <= value <= high
 
 
-def _check_setting(value: Any, like: Any, where: str) -> None:
-    """Refuse ``value`` unless it is of ``like``'s kind (a bool, a number, a tuple of
-    numbers, None or a string, a tensor), finite where it is a number."""
-    if like is None:  # a switch left to torch (foreach, fused): None or a bool
-        ok = value is None or isinstance(value, bool)
-    elif isinstance(like, (bool, str)):
-        ok = type(value) is type(like)
-    elif isinstance(like, (int, float)):
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        ok = ok and math.isfinite(value)
-    elif isinstance(like, (tuple, list)):
-        ok = isinstance(value, (tuple, list)) and len(value) == len(like)
-        ok = ok and all(
-            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-            for v in value
-        )
-    elif isinstance(like, torch.Tensor):
-        ok = isinstance(value, torch.Tensor) and bool(value.isfinite().all())
-    else:
-        ok = True
+def _check_last(last: Any, what: str) -> None:
+    """Refuse an encoder's ``last`` unless it is ``[threshold, was_dense, density]``, each
+    None or a threshold as above, a bool, a density in [0, 1]."""
+    ok = isinstance(last, (list, tuple)) and len(last) == 3
+    if ok:
+        threshold, dense, density = last
+        ok = (_none_or_real(threshold, 0.0, _LARGEST_THRESHOLD) and _none_or_real(density, 0, 1)
+              and (dense is None or isinstance(dense, bool)))  # fmt: skip
     if not ok:
         raise ValueError(
-            f"{where} is {value!r}, expect {type(like).__name__} like {like!r} (finite): the "
-            "checkpoint is corrupted or of another optimizer."
+            f"{what}'s `last` is {last!r}: expect [threshold, was_dense, density], each None "
+            f"or a float in [0, {_LARGEST_THRESHOLD:g}], a bool and a float in [0, 1] (the "
+            "last message's feedback); the checkpoint is corrupted."
         )
+
+
+def check_optimizer_state(optimizer: torch.optim.Optimizer, saved: Any, what: str) -> None:
+    """Refuse a state dict of the wrapped ``optimizer`` that torch would take and then fail on
+    at the next step, or half-load: ``state`` not a dict of dicts, a hyperparameter of
+    another kind than this optimizer's (a learning rate ``"abc"`` or NaN, a ``betas`` of
+    one value), or a state tensor of another shape than the one it holds for that parameter
+    (or, for torch's own optimizers but LBFGS, one that does not broadcast to the parameter).
+
+    Groups of another number or size are left to torch, which refuses them before any change.
+    """
+    saved = check_mapping(saved, f"{what}'s optimizer state")
+    state = check_mapping(saved.get("state"), f"{what}'s optimizer `state`")
+    groups = saved.get("param_groups")
+    if not isinstance(groups, list) or not all(
+        isinstance(g, dict)
+        and isinstance(g.get("params"), (list, tuple))
+        and all(isinstance(k, int) for k in g["params"])
+        for g in groups
+    ):
+        raise ValueError(
+            f"Expect {what}'s optimizer `param_groups` to be a list of dicts, each with its "
+            "`params` as a list of ints: the checkpoint is corrupted or of something else."
+        )
+    ours = optimizer.param_groups
+    if [len(g["params"]) for g in groups] != [len(g["params"]) for g in ours]:
+        return  # torch names it
+    for i, (group, mine) in enumerate(zip(groups, ours, strict=True)):
+        for name, like in mine.items():
+            if name != "params" and name in group and not _same_kind(group[name], like):
+                raise ValueError(
+                    f"{what}'s optimizer param group {i} has `{name}` {group[name]!r}, this "
+                    f"optimizer {like!r}: expect a value of the same kind (a finite number for "
+                    "a number, as many items for a tuple); the checkpoint is corrupted."
+                )
+        _check_hyperparameters(optimizer, group, f"{what}'s optimizer param group {i}")
+    saved_ids = [k for g in groups for k in g["params"]]
+    params = dict(zip(saved_ids, (p for g in ours for p in g["params"]), strict=True))
+    for key, entries in state.items():
+        entries = check_mapping(entries, f"{what}'s optimizer state of parameter {key!r}")
+        if key in params:
+            _check_param_state(optimizer, params[key], entries, f"{what}'s optimizer state of "
+                               f"parameter {key!r}")  # fmt: skip
+
+
+def _check_hyperparameters(
+    optimizer: torch.optim.Optimizer, group: dict[str, Any], where: str
+) -> None:
+    """Refuse a saved group that lacks a hyperparameter of this optimizer's class (a number
+    or a tuple of its ``defaults``: Adam's ``betas`` in an SGD state, which its step would
+    look up and not find; flags may be missing, torch fills them in), or, for torch's own
+    optimizers, whose values its constructor refuses (a negative learning rate)."""
+    kind = type(optimizer).__name__
+    missing = [n for n, v in optimizer.defaults.items() if n not in group
+               and isinstance(v, (int, float, tuple)) and not isinstance(v, bool)]  # fmt: skip
+    if missing:
+        raise ValueError(
+            f"{where} has no {missing}, which {kind} steps with: it was saved by another "
+            f"optimizer class. Build the optimizer that saved it, or start {kind} afresh."
+        )
+    if not type(optimizer).__module__.startswith("torch.optim."):
+        return
+    known = {n: group[n] for n in optimizer.defaults if n in group}
+    try:
+        type(optimizer)([torch.zeros(1)], **known)  # its own checks (lr >= 0, betas, ...)
+    except ValueError as e:
+        raise ValueError(f"{where} is refused by {kind}: {e}") from None
+    except TypeError:
+        pass  # a setting its constructor does not take: nothing to check here
+
+
+def _check_param_state(
+    optimizer: torch.optim.Optimizer, param: torch.Tensor, entries: dict[str, Any], where: str
+) -> None:
+    """Refuse a tensor of ``entries`` (the saved state of ``param``) of another shape than
+    this optimizer holds under its name, or, where it holds none, for torch's own optimizers
+    but LBFGS (whose every state tensor is like its parameter, a scalar or a factor of it:
+    Adafactor's), one that does not broadcast to the parameter's shape."""
+    held = optimizer.state.get(param, {})
+    broadcasts = type(optimizer).__module__.startswith("torch.optim.") and not isinstance(
+        optimizer, torch.optim.LBFGS
+    )
+    for name, value in entries.items():
+        if not isinstance(value, torch.Tensor):
+            continue
+        if value.is_floating_point() and not bool(value.isfinite().all()):
+            raise ValueError(
+                f"{where} has `{name}` with non-finite values: the checkpoint is corrupted; "
+                "resume from another."
+            )
+        like = held.get(name)
+        if isinstance(like, torch.Tensor):
+            want = f"the shape of this optimizer's `{name}`, {tuple(like.shape)}"
+            fits = value.shape == like.shape
+        else:
+            want = "a shape that broadcasts to the parameter's"
+            fits = not broadcasts or _broadcasts(value.shape, param.shape)
+        if not fits:
+            raise ValueError(
+                f"{where} has `{name}` of shape {tuple(value.shape)}, for a parameter of shape "
+                f"{tuple(param.shape)}: expect {want}; the checkpoint is of another model, or "
+                "corrupted."
+            )
+
+
+def _same_kind(value: Any, like: Any) -> bool:
+    """Whether the saved hyperparameter ``value`` is of the kind of this optimizer's ``like``:
+    a bool for a bool, a finite number (or one-element tensor) for a number, a sequence of
+    as many such items for a tuple, a str for a str; anything where ``like`` is None."""
+    if like is None:
+        return True
+    if isinstance(like, bool):
+        return isinstance(value, bool)
+    if isinstance(like, (int, float, torch.Tensor)):
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = value.item()
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        return ok and math.isfinite(value)
+    if isinstance(like, (tuple, list)):
+        return (
+            isinstance(value, (tuple, list))
+            and len(value) == len(like)
+            and all(_same_kind(v, w) for v, w in zip(value, like, strict=True))
+        )
+    if isinstance(like, str):
+        return isinstance(value, str)
+    return True
+
+
+def _broadcasts(shape: torch.Size, to: torch.Size) -> bool:
+    """Whether a tensor of ``shape`` broadcasts to ``to`` without changing it."""
+    try:
+        return torch.broadcast_shapes(shape, to) == to
+    except RuntimeError:
+        return False

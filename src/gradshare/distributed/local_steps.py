@@ -1053,8 +1053,7 @@ class LocalSteps:
                 "LocalSteps state has a round waiting for its merge (`pending`) but not where "
                 "it was sent from (`base` is None): the state mixes two runs or is corrupted."
             )
-        check_optimizer_state(self.outer, state["outer"], self.global_params,
-                              "LocalSteps state's outer optimizer state")  # fmt: skip
+        check_optimizer_state(self.outer, state["outer"], "LocalSteps state's `outer`")
         copy.deepcopy(self.outer).load_state_dict(state["outer"])  # refuses another's state
         # everything checked: change
         if self._round is not None:

@@ -35,6 +35,7 @@ from gradshare.distributed.checkpoint import (
     check_encoder_state,
     check_format,
     check_mapping,
+    check_optimizer_state,
     check_saved_by,
     saved_by,
 )
@@ -445,6 +446,7 @@ class SharedOptimizer(OptimizerWrapper):
         """
         optim_state, ours = _split_state(state_dict)
         self._check_ours(ours)
+        check_optimizer_state(self.optim, optim_state, "SharedOptimizer state")
         if self.encoder is not None:  # everything that can refuse runs before any change
             enc = self.encoder
             probe = Encoder(enc.algorithm.clone(), enc.post_processor, magnitude=enc.magnitude)
