@@ -465,5 +465,5 @@ def test_encode_whole_sends_the_residual_and_the_update_exactly() -> None:
     stats = enc.last_stats
     assert stats is not None and (stats.format, stats.entries, stats.threshold) == ("dense", 1, 0)
     assert enc.algorithm.state_dict()["last_threshold"] is not None  # from encode(), kept
-    assert [sends_whole(QuantileThreshold(0.04), n) for n in (1, 37, 38)] == [True, True, False]
+    assert [sends_whole(QuantileThreshold(0.04), n) for n in (1, 2, 37)] == [True, False, False]
     assert [sends_whole(FixedThreshold(1.0), n) for n in (15, 16)] == [True, False]

@@ -555,8 +555,9 @@ def _rank_float64(rank: int, world: int) -> dict:
 
 
 class _Small(nn.Module):
-    """A scalar, a 2-element bias, a LayerNorm of 16 and a 16→2 layer (32 weights): each too
-    small for a threshold message at the default 4 % (round(0.04 N) < 2)."""
+    """A scalar, a 2-element bias, a LayerNorm of 16 and a 16→2 layer (32 weights): at the
+    default 4 % each aimed at round(0.04 N) < 2 entries, and DL4J's rule sends no message
+    with fewer than 2."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -790,7 +791,8 @@ class TestNothingLost:
         """A scalar, a 2-element bias, a LayerNorm of 16 and the 32 weights of a 16→2 layer
         sent nothing under LocalSteps' defaults (and the scalar under the hook): the DL4J
         rule sends no message with fewer than 2 entries, so each sync reset them to their
-        start. Sent whole now, every parameter moves between step 20 and step 40."""
+        start. Now every tensor sends 2 entries a sync at least (the scalar whole), and every
+        parameter moves between step 20 and step 40."""
         for r in refusals:
             for mode in ("local", "hook"):
                 moved = r["small"][mode]

@@ -161,10 +161,12 @@ class LocalSteps:
     2. residual = β·residual + Δ (β = ``decay``; β = 1 is DL4J's residual);
     3. the residual is threshold-encoded (one :class:`~gradshare.Encoder` per parameter,
        :class:`~gradshare.QuantileThreshold` of ``density`` by default; sparse indices, or a
-       bitmap when too many cross): what is sent leaves the residual, the rest waits. A
-       parameter too small for that (fewer than 2 entries at ``density``: scalars, the biases
-       and norms of narrow layers; :func:`~gradshare.encoding.threshold.sends_whole`) sends
-       all of its residual, a dense piece of float32 values, so every parameter trains;
+       bitmap when too many cross): what is sent leaves the residual, the rest waits. Every
+       parameter sends 2 entries a sync at least (DL4J's messages carry no fewer), so the
+       biases and norms of narrow layers train too; a 1-element parameter (or, under another
+       ``threshold`` algorithm, one too small for its messages:
+       :func:`~gradshare.encoding.threshold.sends_whole`) sends all of its residual, a dense
+       piece of float32 values;
     4. every rank's message (its parameters' pieces back to back) is all-gathered;
     5. every piece is validated whole, and the pieces are decoded in rank order into their
        sum, divided by the world size: the average outer gradient, alike on every rank;

@@ -446,7 +446,7 @@ class QuantileThreshold(ThresholdAlgorithm):
         t = None
         if self._magnitudes is not None:
             m = self._magnitudes.reshape(-1).float()
-            k = max(1, round(self.density_at(iteration) * m.numel()))
+            k = max(min(2, m.numel()), round(self.density_at(iteration) * m.numel()))
             q = float(torch.topk(m, k, sorted=False).values.min())
             t = q if q > 0 and math.isfinite(q) else None
             self._magnitudes = None
@@ -481,7 +481,7 @@ def sends_whole(algorithm: ThresholdAlgorithm, numel: int) -> bool:
     and norms of narrow layers: a few bytes against its matrices.
     """
     if isinstance(algorithm, QuantileThreshold):
-        return round(algorithm.density * numel) < 2
+        return numel < 2
     return numel < WHOLE_BELOW
 
 
