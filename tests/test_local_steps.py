@@ -365,7 +365,7 @@ def _rank_fragments(rank: int, world: int) -> dict:
             after.append(flat(model))
         sync.close()
         out[tau] = {"start": start, "locals": locals_, "after": after, "closed": flat(model),
-                    "parts": [(f.start, f.stop, f.offset) for f in sync._parts],
+                    "parts": [(f.start, f.stop, f.offset) for f in sync._schedule.spans],
                     "syncs": sync.syncs, "sent": sync.bytes_sent, "numel": sync.numel}  # fmt: skip
     return out
 
@@ -622,7 +622,7 @@ def _rank_buffers(rank: int, world: int) -> dict:
         inner = torch.optim.SGD(model.parameters(), lr=0.1)
         with LocalSteps(model, inner, sync_every=2, broadcast_buffers=on) as sync:
             _train(model, inner, batches[:2])  # the second step ends with the sync
-        out[key] = {"buffers": dict(model.named_buffers()), "sent": sync._buffers.sent,
+        out[key] = {"buffers": dict(model.named_buffers()), "sent": sync._protocol.buffers.sent,
                     "eval": model.eval()(probe)}  # fmt: skip
     model = _bn_model()
     opt = SharedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model)
@@ -1055,8 +1055,8 @@ def _rank_resume(
             settings = {k: v for k, v in saved["settings"].items() if k != "fragments"}
             sync.load_state_dict({**old, "format": 3, "lead": saved["base"] - glob,
                                   "settings": {**settings, "overlap": True}})  # fmt: skip
-            assert sync._base is not None
-            torch.testing.assert_close(sync._base, saved["base"])
+            assert sync._flat.base is not None
+            torch.testing.assert_close(sync._flat.base, saved["base"])
         model.load_state_dict(state["model"])
         inner.load_state_dict(state["inner"])
         sync.load_state_dict(saved)
@@ -1171,7 +1171,7 @@ def _rank_failed_exchange(rank: int, world: int, overlap: bool) -> bool:
     the replica keeps its local move for the sync that follows. With overlap the exchange
     fails in the background, and the next flush (or sync) raises and puts the encoders back;
     the next Δ, from the global copy plus the carry, is round 1's again."""
-    import gradshare.distributed.local_steps as module
+    import gradshare.distributed.exchange as module
 
     model = toy_model()
     inner = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -1206,7 +1206,7 @@ def _rank_failed_exchange(rank: int, world: int, overlap: bool) -> bool:
     )  # fmt: skip
     kept = True
     if overlap:  # round 1 was sent from step 2's replica (sync 1 merged nothing) at step 4
-        start = torch.cat([g.reshape(-1) for g in sync.global_params]) + sync._base
+        start = torch.cat([g.reshape(-1) for g in sync.global_params]) + sync._flat.base
         kept = torch.allclose(start - flat(model), locals_[1] - locals_[3], atol=1e-6)
     return same and sync.syncs == 1 and kept
 

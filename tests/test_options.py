@@ -138,7 +138,7 @@ def _rank_front_ends(rank: int, world: int) -> dict[str, str]:
     with LocalSteps(local_model, inner, 2, **SET) as sync:
         for enc in sync.encoders:
             _check_encoder(enc)
-        assert sync.timeout == SET["timeout"] and sync._divisor() == 1
+        assert sync.timeout == SET["timeout"] and sync._protocol.divisor == 1
         out["local"] = repr(sync.options)
     dense = SharedOptimizer(torch.optim.SGD(torch.nn.Linear(3, 2).parameters(), lr=0.1),
                             dense=True)  # fmt: skip

@@ -24,7 +24,7 @@ MOVED = {
     "gradshare._kernels": "gradshare.codec._kernels",
     "gradshare._intrinsics": "gradshare.codec._intrinsics",
     "gradshare._torch_paths": "gradshare.codec._torch_paths",
-    "gradshare._flat": "gradshare.codec._flat",
+    "gradshare._flat": "gradshare.codec.flat",
     "gradshare.threads": "gradshare.codec.threads",
     "gradshare.encoder": "gradshare.encoding.encoder",
     "gradshare.threshold": "gradshare.encoding.threshold",

@@ -11,10 +11,12 @@ What lives here:
 - :mod:`~gradshare.codec.multipart`: several vectors' messages sent back to back as one.
 - ``encode_dense_``: a dense piece (format 3, gradshare's own), the float32 values
   themselves, for a vector too small for a threshold message.
+- :mod:`~gradshare.codec.flat`: the slices of one flat vector that hold many tensors (every
+  multi-tensor front end cuts its buffers with it).
 - private: ``_format`` (layout constants), ``_workspace`` (the encode workspace),
   ``_dispatch`` (kernel or torch path), ``_kernels`` / ``_intrinsics`` (numba, compiled on
-  first use), ``_torch_paths`` (the same steps as torch ops), ``_flat`` (views of a flat
-  vector); :mod:`~gradshare.codec.threads` sizes the kernels' threads.
+  first use), ``_torch_paths`` (the same steps as torch ops); :mod:`~gradshare.codec.threads`
+  sizes the kernels' threads.
 
 May import: torch, numpy, numba, and ``gradshare._checks``; nothing else of gradshare.
 Importing it starts nothing (numba loads at the first kernel call).

@@ -12,7 +12,9 @@ What lives here:
   per-rank state records and the checks a load runs before anything changes.
 - :mod:`~gradshare.distributed.ddp_hook`: the DDP communication hook that encodes gradients.
 - :mod:`~gradshare.distributed.local_steps`: ``LocalSteps``, local steps with sparse syncs
-  (DiLoCo / SparseLoCo); ``_overlap``: its round in flight when exchanges overlap the steps.
+  (DiLoCo / SparseLoCo), a package of its own (options, schedule, fragments, protocol,
+  overlap, state).
+- :mod:`~gradshare.distributed.buffers`: a model's buffers made rank 0's on every rank.
 - :mod:`~gradshare.distributed.hosts`, ``_inflight``: ranks per host; collectives in flight at
   exit.
 

@@ -28,7 +28,7 @@ import queue
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from gradshare import codec
 from gradshare._checks import to_seconds
+from gradshare.codec import multipart
 from gradshare.distributed import _inflight
 
 __all__ = [
@@ -45,6 +46,7 @@ __all__ = [
     "PrivateGroup",
     "collective",
     "exchange_messages",
+    "exchange_pieces",
     "global_ranks",
     "largest_message",
     "rank_names",
@@ -210,6 +212,54 @@ def exchange_messages(
     collective(dist.all_gather, gathered, padded, group=group, timeout=timeout,
                what="message exchange", rank=rank)  # fmt: skip
     return [m[: h[1]] if h[1] else None for h, m in zip(table, gathered, strict=True)]
+
+
+def exchange_pieces(
+    message: torch.Tensor | None,
+    targets: Sequence[torch.Tensor],
+    labels: Sequence[Any],
+    *,
+    group: Any,
+    timeout: float | timedelta | None,
+    device: torch.device,
+    divisor: float,
+    failure: BaseException | None = None,
+    round: int = -1,
+) -> int:
+    """Exchange every rank's multipart message, one piece per target back to back
+    (:func:`gradshare.codec.multipart.join_messages`), and overwrite each target with the sum
+    of its pieces decoded in rank order, divided by ``divisor``: the DDP hook's bucket and
+    LocalSteps' round. Returns the bytes this rank sent.
+
+    Every rank's message is cut into its pieces by their headers and every piece validated
+    whole before any target is written (a bad one raises :class:`gradshare.MessageError`
+    naming the rank and ``labels[i]``); the messages travel on ``device`` and are decoded
+    where the targets live. ``failure``, ``round`` and the errors are
+    :func:`exchange_messages`'; each rank's message is capped at the sum of its pieces'
+    longest valid messages.
+    """
+    sizes = [t.numel() for t in targets]
+    messages = exchange_messages(
+        message,
+        sum(sizes),
+        group=group,
+        timeout=timeout,
+        device=device,
+        failure=failure,
+        max_words=sum(largest_message(n) for n in sizes),
+        round=round,
+    )
+    names = rank_names(len(messages), group)
+    home = targets[0].device
+    pieces = [
+        multipart.split_message(None if m is None else m.to(home), sizes, name, labels)
+        for m, name in zip(messages, names, strict=True)
+    ]
+    for i, target in enumerate(targets):
+        codec.decode_sum_(
+            [p[i] for p in pieces], target, divisor=divisor, names=names, checked=True
+        )
+    return 0 if message is None else 4 * message.numel()
 
 
 def take_back(message: torch.Tensor, residual: torch.Tensor) -> None:

@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.distributed.nn.functional
 
 from gradshare import codec
-from gradshare.codec._flat import views
+from gradshare.codec.flat import views
 from gradshare.distributed.agreement import agree
 from gradshare.distributed.buffers import BufferSync
 from gradshare.distributed.checkpoint import (

@@ -20,7 +20,7 @@ import torch
 
 from gradshare import codec
 from gradshare._checks import check_int
-from gradshare.codec._flat import views
+from gradshare.codec.flat import views
 from gradshare.encoding.encoder import Encoder, EncodeStats
 from gradshare.encoding.options import EncodingOptions, encoding_options
 from gradshare.local.tail import IndexedTail

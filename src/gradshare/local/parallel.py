@@ -22,7 +22,7 @@ from torch import nn
 from gradshare import codec
 from gradshare._checks import check_int
 from gradshare.codec import threads
-from gradshare.codec._flat import views
+from gradshare.codec.flat import views
 from gradshare.encoding.options import EncodingOptions, encoding_options
 from gradshare.local.accumulator import AccumulatorError, EncodedGradientsAccumulator
 

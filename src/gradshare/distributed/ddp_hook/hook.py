@@ -18,15 +18,14 @@ from torch.nn.parallel import DistributedDataParallel
 
 from gradshare import codec
 from gradshare.codec import multipart
-from gradshare.codec._flat import slices
+from gradshare.codec.flat import slices
 from gradshare.distributed.agreement import agree
 from gradshare.distributed.ddp_hook.parameters import Param
 from gradshare.distributed.ddp_hook.state import ThresholdHookState
 from gradshare.distributed.exchange import (
     collective,
     exchange_messages,
-    largest_message,
-    rank_names,
+    exchange_pieces,
     take_back,
 )
 from gradshare.distributed.hosts import count_ranks_on_host
@@ -164,16 +163,17 @@ def _encoded_exchange(
     # the gradient now lives in the residuals: the bucket takes the mean (float32 sums)
     total = grad if grad.dtype == torch.float32 else state._runtime.buffer(index, grad)
     try:
-        messages = exchange_messages(
-            mine, grad.numel(), group=group, timeout=state.timeout, device=grad.device,
-            failure=failure, max_words=sum(largest_message(n) for _, n in params),
+        sent_bytes = exchange_pieces(
+            mine,
+            list(slices(total, (n for _, n in params))),
+            [place for place, _ in params],
+            group=group,
+            timeout=state.timeout,
+            device=grad.device,
+            divisor=state.divisor(world),
+            failure=failure,
             round=iteration,
-        )  # fmt: skip
-        names, divisor = rank_names(world, group), state.divisor(world)
-        pieces = [_split(m, params, name) for m, name in zip(messages, names, strict=True)]
-        for i, target in enumerate(slices(total, (n for _, n in params))):
-            codec.decode_sum_([p[i] for p in pieces], target, divisor=divisor, names=names,
-                              checked=True)  # fmt: skip
+        )
     except BaseException:  # this rank's messages go back: nothing of them is lost
         for (place, _), (message, _) in zip(params, sent, strict=False):
             if message is not None:
@@ -183,7 +183,7 @@ def _encoded_exchange(
         for (place, _), (message, _) in zip(params, sent, strict=True):
             if message is not None:
                 _mask_(state.velocities[place], message)
-    state.bytes_sent += 0 if mine is None else 4 * mine.numel()
+    state.bytes_sent += sent_bytes
     return total if total is grad else grad.copy_(total)
 
 
@@ -242,12 +242,6 @@ def _concatenate(
     return multipart.join_messages(
         [m for m, _ in sent], [n for _, n in params], [t for _, t in sent], device
     )
-
-
-def _split(message: torch.Tensor | None, params: list[Param], name: str) -> list[Any]:
-    """Step 4: cut ``name``'s message into one piece per parameter and validate each whole
-    (:func:`gradshare.codec.multipart.split_message`); None for a parameter that sent nothing."""
-    return multipart.split_message(message, [n for _, n in params], name, [p for p, _ in params])
 
 
 def _mask_(velocity: torch.Tensor, message: torch.Tensor) -> None:

@@ -1,4 +1,4 @@
-"""One flat vector for many tensors: the slice of it that holds each one (private)."""
+"""One flat vector for many tensors: the slice of it that holds each one."""
 
 from __future__ import annotations
 
