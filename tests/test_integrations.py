@@ -141,7 +141,7 @@ def _lightning_fits(tmp: Path) -> dict[str, Any]:
 
 
 def _accelerate_runs(tmp: Path) -> dict[str, Any]:
-    """``tests/accelerate_runs.py``: its five runs from one parent (each in new processes),
+    """``tests/accelerate_runs.py``: its seven runs from one parent (each in new processes),
     and plain DDP, which runs meanwhile. Each run's printed lines, by name."""
     with ThreadPoolExecutor(1) as meanwhile:
         oracle = meanwhile.submit(plain_ddp, "accelerate", 1, 26)
@@ -175,6 +175,7 @@ def runs(
     if importlib.util.find_spec("accelerate") is not None and (
         selected(request, "test_resumed_run_matches_the_straight_run_and_plain_ddp")
         or selected(request, "test_local_steps_resume_at_any_step")
+        or selected(request, "test_rank_files_newer_than_accelerates_are_refused")
     ):
         jobs["accelerate"] = partial(_accelerate_runs, tmp_path_factory.mktemp("accelerate"))
     if importlib.util.find_spec("lightning") is not None and selected(
@@ -337,6 +338,27 @@ class TestAccelerate:
         stale = said["stale"]  # accelerate shows one failed rank's error
         assert named in stale or "Rank(s) [1] could not load their gradshare" in stale, stale
         assert "step 26:" not in stale
+
+    def test_rank_files_newer_than_accelerates_are_refused(
+        self, runs: dict[str, Future[dict[str, Any]]]
+    ) -> None:
+        """The rank files are written in a save pre-hook, before accelerate writes model and
+        optimizer, and the token with them: the main process killed in between left step-26
+        rank files beside the step-25 model, and ``load_state`` took them (exit 0, the hook
+        one iteration ahead). The token is now written once every rank is through
+        ``save_state``: each rank refuses its file, naming both steps."""
+        pytest.importorskip("accelerate", reason=f"needs accelerate: {INSTALL}")
+        run = runs["accelerate"].result()
+        said, cut = run["said"], run["tmp"] / "cut" / "ckpt"
+        assert "resumed from step 25" in said["cut"] and "saved step 26" not in said["cut"]
+        refused = said["cut-resumed"]  # accelerate shows one failed rank's error
+        assert any(
+            f"{accelerate_rank_file(cut, r)} is from another save than "
+            f"{cut / 'gradshare-save.json'}: the file is of step 26, the checkpoint of step 25"
+            in refused
+            for r in range(WORLD)
+        ), refused
+        assert "step 26:" not in refused
 
     def test_local_steps_resume_at_any_step(self, runs: dict[str, Future[dict[str, Any]]]) -> None:
         """``--share local`` (no_sync, LocalSteps every 4 steps): saved at step 25, between
