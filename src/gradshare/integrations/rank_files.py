@@ -8,8 +8,8 @@ size's. Files are read with ``torch.load(weights_only=True)``.
 
 Every save has a :class:`SaveToken`: a random id agreed across ranks (:func:`new_token`) and
 the step. Each rank writes it into its file, and the integrations tie it to the framework's
-own checkpoint: Lightning's checkpoint dict holds it, accelerate's directory gets it once
-every rank has written all its files. A save cut
+own checkpoint: Lightning's checkpoint dict holds it, Trainer's ``trainer_state.json`` holds
+it, accelerate's directory gets it once every rank has written all its files. A save cut
 short (a rank killed while it wrote), or another run's files in the same folder, leave files
 and checkpoint of different saves, so such a rank file is refused by name, with both steps
 (both ids when the steps are the same). At every load the ranks also gather their files'
@@ -20,7 +20,6 @@ saves.
 
 from __future__ import annotations
 
-import json
 import os
 import secrets
 from dataclasses import dataclass
@@ -39,17 +38,12 @@ __all__ = [
     "Stateful",
     "accelerate_rank_file",
     "lightning_rank_file",
-    "load_rank_directory",
     "load_rank_state",
     "new_token",
     "rank_and_world",
-    "save_rank_directory",
     "save_rank_state",
     "wait_for_ranks",
 ]
-
-TOKEN_FILE = "gradshare-save.json"
-"""The file in a checkpoint directory where rank 0 writes the save's token."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -264,37 +258,3 @@ def wait_for_ranks(what: str, group: Any = None, timeout: float | timedelta | No
     flag = torch.ones(1, dtype=torch.int64).to(_device(group))
     collective(dist.all_reduce, flag, group=group, what=what,
                timeout=timedelta(seconds=to_seconds(timeout)), rank=dist.get_rank())  # fmt: skip
-
-
-def save_rank_directory(
-    obj: Stateful, directory: str | os.PathLike[str], step: int,
-    timeout: float | timedelta | None = None,
-) -> Path:  # fmt: skip
-    """Save ``obj`` of every rank into a checkpoint directory (a collective): the ranks agree
-    on a token, rank r writes ``<directory>/gradshare-rank{r}.pt``, then rank 0 writes the
-    token to ``<directory>/gradshare-save.json`` (so a token there means its file is whole)."""
-    rank = rank_and_world()[0]
-    token = new_token(step, timeout=timeout)
-    path = save_rank_state(obj, accelerate_rank_file(directory, rank), token=token)
-    if rank == 0:
-        saved = Path(directory) / TOKEN_FILE
-        tmp = saved.with_name(f".{saved.name}.tmp")
-        tmp.write_text(json.dumps(token.to_dict()))
-        os.replace(tmp, saved)
-    return path
-
-
-def load_rank_directory(
-    obj: Stateful, directory: str | os.PathLike[str], timeout: float | timedelta | None = None
-) -> None:
-    """Load what :func:`save_rank_directory` wrote for this rank (a collective): a file of
-    another save than ``gradshare-save.json`` names is refused on every rank alike."""
-    path = Path(directory) / TOKEN_FILE
-    token = None
-    if path.exists():
-        try:
-            token = SaveToken.from_dict(json.loads(path.read_text()))
-        except (OSError, ValueError):
-            token = SaveToken(-1, -1)  # unreadable: no rank file matches it
-    load_rank_state(obj, accelerate_rank_file(directory, rank_and_world()[0]), token=token,
-                    source=str(path), timeout=timeout)  # fmt: skip
