@@ -10,7 +10,9 @@ rather than one each.
 2. ``reused``: a copy of the local path's ``out`` saved into again by another run (another
    learning rate) whose ranks stop after Trainer wrote ``checkpoint-5``, before the callback's
    ``on_save`` (it raises there); then a resume from that ``checkpoint-5``.
-3. ``between``: local steps for 7 steps (the run ends between two syncs).
+3. ``between``: local steps for 7 steps (the run ends between two syncs), with a
+   ``GradScaler`` in accelerate (as ``fp16=True`` gives on CUDA; set by hand on CPU), rank 1's
+   gradients overflowing at step 3, so its scaler skips that step.
 4. ``hang``, last: local steps with no sync due and ``--timeout 5``; rank 0 stops at the end
    of step 2 until rank 1 is done (at most 120 s), rank 1 waits in Trainer's own per-step
    all-gather. Both then leave with ``os._exit(0)`` (the group is broken).
@@ -52,6 +54,8 @@ PATHS = {
 """Each path's options, by name (local with overlap: checkpoint-5 holds a round in flight;
 every fragment at once, so the replicas are bit-identical at the end, as the example checks)."""
 
+OVERFLOW_AT = 3
+"""The step whose gradients overflow on rank 1 (``between``)."""
 HANG_AT = 2
 """The step after which rank 0 stops (``hang``)."""
 
@@ -91,15 +95,41 @@ def reused(tmp: Path) -> dict[str, Any]:
     return {"stopped": stopped, "resumed": resumed}
 
 
+class Overflow(TrainerCallback):
+    """Rank 1's gradients overflow at step :data:`OVERFLOW_AT` (a gradient hook, before the
+    scaler unscales); notes whether the scaler reached LocalSteps."""
+
+    def __init__(self, trainer: Any) -> None:
+        self.trainer = trainer
+        self.reached: bool | None = None
+        if dist.get_rank() == 1:
+            next(trainer.model.parameters()).register_hook(self.spoil)
+
+    def spoil(self, grad: torch.Tensor) -> torch.Tensor:
+        if self.trainer.state.global_step + 1 != OVERFLOW_AT:
+            return grad
+        return torch.full_like(grad, float("inf"))
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        callback = self.trainer.callback_handler.callbacks[0]
+        self.reached = callback.shared._scaler is self.trainer.accelerator.scaler
+
+
 def between(tmp: Path) -> dict[str, Any]:
-    """``between``: the run's error, and whether the replicas are bit-identical at its end."""
+    """``between``: the run's error, whether the scaler reached LocalSteps, this rank's scale at
+    the end, and whether the replicas are bit-identical then."""
     trainer = build("--share", "local", "--steps", "7", "--timeout", "20",
                     "--output-dir", tmp / "between" / "out")  # fmt: skip
+    trainer.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    overflow = Overflow(trainer)
+    trainer.add_callback(overflow)
     error = error_of(lambda: train(trainer))
     params = hf_trainer.flat(trainer)
     gathered = [torch.empty_like(params) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, params)
-    return {"error": error, "replicas_equal": torch.equal(*gathered)}
+    return {"error": error, "reached": overflow.reached,
+            "scale": trainer.accelerator.scaler.get_scale(),
+            "replicas_equal": torch.equal(*gathered)}  # fmt: skip
 
 
 class Hang(TrainerCallback):

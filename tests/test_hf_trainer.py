@@ -5,9 +5,9 @@ saving at step 5, then resumes from ``checkpoint-5`` with a fresh model and Trai
 end at the same parameters, bit for bit; every run checks its replicas are bit-identical and
 that gradshare's metrics reached ``trainer.state.log_history``. The four paths (local twice:
 without overlap and with ``overlap=2``, its checkpoint saved with a round in flight) and the
-faults (rank files of another run, a run ending between syncs, a hung rank) run in one
-launch (``tests/hf_fits.py``); one path (``local``) also resumes from its ``checkpoint-5`` in
-new processes, launched as a user launches the example.
+faults (rank files of another run, a skipped fp16 step, a run ending between syncs, a hung
+rank) run in one launch (``tests/hf_fits.py``); one path (``local``) also resumes from its
+``checkpoint-5`` in new processes, launched as a user launches the example.
 """
 
 from __future__ import annotations
@@ -115,6 +115,17 @@ def test_rank_files_of_another_run_are_refused(fits: Fits) -> None:
         resumed = reused["resumed"] or ""
         named = f"{folder / f'gradshare-rank{rank}.pt'} is from another save than {folder}"
         assert f"{named}/trainer_state.json: both are of step 5" in resumed, resumed
+
+
+def test_a_step_the_scaler_skipped_still_syncs(fits: Fits) -> None:
+    """accelerate's GradScaler (``fp16=True``) skips the step of a rank whose gradients
+    overflowed; LocalSteps, counting steps, put that rank's syncs a step late in every round,
+    so the ranks' collectives no longer matched (the launch broke). The callback now passes
+    the scaler (``LocalSteps(grad_scaler=...)``); rank 1 overflows at step 3 of 7."""
+    ranks = fits.fault("between")
+    for rank in ranks:
+        assert rank["error"] is None and rank["reached"] is True, ranks
+    assert ranks[1]["scale"] < ranks[0]["scale"]  # rank 1's scaler skipped a step
 
 
 def test_a_run_ending_between_syncs_ends_with_one_model(fits: Fits) -> None:

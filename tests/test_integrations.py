@@ -119,11 +119,11 @@ def plain_ddp(*args: Any) -> torch.Tensor:
 
 
 def _lightning_fits(tmp: Path) -> dict[str, Any]:
-    """``tests/lightning_fits.py``: its eleven fits in one torchrun launch (the three shares,
+    """``tests/lightning_fits.py``: its twelve fits in one torchrun launch (the three shares,
     and local with overlap and fragments, straight through and resumed; the spoiled
-    checkpoints), and plain DDP for two shares, which runs meanwhile; then the example as a
-    user runs it (Lightning's own launcher starts the processes), resuming the local fit
-    from its ``step=3.ckpt`` in new processes."""
+    checkpoints; local steps with a grad scaler), and plain DDP for two shares, which runs
+    meanwhile; then the example as a user runs it (Lightning's own launcher starts the
+    processes), resuming the local fit from its ``step=3.ckpt`` in new processes."""
     with ThreadPoolExecutor(1) as meanwhile:
         oracles = {share: meanwhile.submit(plain_ddp, "lightning", 2, 3, share)
                    for share in ("gradients", "updates")}  # fmt: skip
@@ -170,6 +170,7 @@ def runs(
         or selected(request, "test_local_steps_resume_bit_for_bit")
         or selected(request, "test_local_steps_with_overlap_and_fragments")
         or selected(request, "test_stale_and_plain_checkpoints")
+        or selected(request, "test_a_step_the_scaler_skipped_still_syncs")
     ):
         jobs["lightning"] = partial(_lightning_fits, tmp_path_factory.mktemp("lightning"))
     if importlib.util.find_spec("accelerate") is not None and (
@@ -277,6 +278,22 @@ class TestLightning:
             assert "resume_without_rank_files=True" in (ranks["plain"][1] or ""), ranks["plain"]
             assert ranks["plain-allowed"][1] is None, ranks["plain-allowed"]
         assert "step 6:" in run["fits"][0]["plain-allowed"][0]
+
+    def test_a_step_the_scaler_skipped_still_syncs(
+        self, runs: dict[str, Future[dict[str, Any]]]
+    ) -> None:
+        """``precision="16-mixed"``: the scaler skips the step of a rank whose gradients
+        overflowed, and LocalSteps, counting steps, put that rank's syncs a step late in
+        every round, so the ranks' collectives no longer matched (the launch hung). The
+        strategy now passes the precision plugin's scaler (``LocalSteps(grad_scaler=...)``): rank 1
+        overflows at step 1 of 6, a sync every 2, and the replicas end bit-identical."""
+        pytest.importorskip("lightning", reason=f"needs Lightning: {INSTALL}")
+        run = runs["lightning"].result()
+        ranks = [fits["local-scaler"] for fits in run["fits"]]
+        for rank in ranks:
+            assert rank["error"] is None and rank["reached"] is True, ranks
+            assert rank["replicas_equal"] is True, ranks
+        assert ranks[1]["scale"] < ranks[0]["scale"]  # rank 1's scaler skipped a step
 
     def test_process_group_timeout_follows_gradshare_timeout(self) -> None:
         """Lightning broadcasts on the default group every step, under DDPStrategy's timeout

@@ -89,6 +89,10 @@ class GradshareCallback(TrainerCallback):
     ``ddp_timeout`` if you changed it, else to gradshare's ``timeout`` (300 s by default), so a
     hung rank holds the others that long at most; the setting stays for the process.
 
+    Mixed precision: with ``"local"``, accelerate's ``GradScaler`` (``fp16=True``) goes to
+    ``LocalSteps(grad_scaler=...)``, so a rank whose step the scaler skipped still syncs with
+    the others.
+
     The end of training (``on_train_end``), with ``"local"``: LocalSteps closes (a round in
     flight is merged), and when the replicas may differ (the run did not end on a sync, or
     with ``overlap`` or ``fragments``) they are averaged once, densely (one all-reduce of the
@@ -211,7 +215,9 @@ class GradshareCallback(TrainerCallback):
             accelerated.optimizer = shared  # Trainer steps and saves through it
             return shared
         ddp.register_comm_hook(None, _local_gradient_hook)
-        return LocalSteps(trainer.model, inner, options=self.options, **self._local)
+        scaler = getattr(trainer.accelerator, "scaler", None)  # fp16: skipped steps still sync
+        return LocalSteps(trainer.model, inner, grad_scaler=scaler, options=self.options,
+                          **self._local)  # fmt: skip
 
     def _group_timeout(self, args: Any) -> timedelta:
         """``ddp_timeout`` when changed from TrainingArguments' default, else gradshare's."""
