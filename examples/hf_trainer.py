@@ -63,8 +63,9 @@ def build(args: argparse.Namespace, output_dir: Path) -> Trainer:
         ddp_find_unused_parameters=False,
     )
     trainer = Trainer(model=GPT2LMHeadModel(config), args=training, train_dataset=data)
-    local = {"overlap": args.overlap or False, "fragments": args.fragments, "compact": args.compact}
-    GradshareCallback(share=args.share, sync_every=5, **local).attach(trainer)  # the gradshare line
+    local = {"sync_every": args.sync_every, "overlap": args.overlap or False,
+             "fragments": args.fragments, "compact": args.compact}  # fmt: skip
+    GradshareCallback(share=args.share, timeout=args.timeout, **local).attach(trainer)  # the line
     return trainer
 
 
@@ -84,6 +85,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--share", choices=["hook", "updates", "local"], default="hook")
     parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--sync-every", type=int, default=5, help="--share local: H")
     parser.add_argument(
         "--overlap",
         type=int,
@@ -95,6 +97,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--compact", action="store_true",
                         help="--share local: sparse messages in their compact form")  # fmt: skip
     parser.add_argument("--lr", type=float, help="default: 0.3 (SGD, hook), 3e-3 (AdamW)")
+    parser.add_argument("--timeout", type=float, default=300.0,
+                        help="seconds a rank waits for a hung one")  # fmt: skip
     parser.add_argument("--save-steps", type=int, help="save a checkpoint every this many steps")
     parser.add_argument("--output-dir", type=Path, default=Path("hf_trainer_out"))
     parser.add_argument("--resume", type=Path, help="a checkpoint-N folder to resume from")

@@ -11,7 +11,8 @@ steps the replicas' moves are threshold-encoded with error feedback, exchanged, 
 the global copy by the outer optimizer, and every replica restarts from it. The training loop
 is an ordinary one: LocalSteps hooks ``inner.step()``. With ``--checkpoint-dir`` every rank
 saves its model, inner optimizer and LocalSteps state every ``--save-every`` steps and resumes
-from the newest step every rank saved, under ``torchrun --max-restarts`` too.
+from the newest step that every rank saved and can read (past a damaged file, all ranks fall
+back alike: ``rank_checkpoints.py``), under ``torchrun --max-restarts`` too.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from torch.nn import functional as F
 import gradshare
 from gradshare.app.datasets import digits, minibatches, mlp
 
+from rank_checkpoints import latest_readable, save
+
 
 def schedule(split, epochs: int, batch_size: int, rank: int, world: int) -> list:
     """This rank's minibatches: every epoch shuffled alike on all ranks, dealt out evenly."""
@@ -36,24 +39,6 @@ def schedule(split, epochs: int, batch_size: int, rank: int, world: int) -> list
         batches = minibatches(split.x_train, split.y_train, batch_size, seed=epoch)
         out += batches[: len(batches) // world * world][rank::world]
     return out
-
-
-def latest_complete(ckpt: Path, world: int) -> int:
-    """The newest step for which every rank's checkpoint exists (0 if none)."""
-    steps = [
-        int(d.name[4:])
-        for d in ckpt.glob("step*")
-        if all((d / f"rank{r}.pt").exists() for r in range(world))
-    ]
-    return max(steps, default=0)
-
-
-def save(ckpt: Path, step: int, rank: int, model, inner, sync) -> None:
-    d = ckpt / f"step{step:06d}"
-    d.mkdir(parents=True, exist_ok=True)
-    state = {"model": model.state_dict(), "inner": inner.state_dict(), "sync": sync.state_dict()}
-    torch.save(state, d / f".rank{rank}.pt")
-    (d / f".rank{rank}.pt").rename(d / f"rank{rank}.pt")  # a rank file exists only whole
 
 
 def init_distributed() -> None:
@@ -96,10 +81,8 @@ def main() -> None:
     first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     start = 0
     if args.checkpoint_dir is not None:
-        start = latest_complete(args.checkpoint_dir, world)
-        if start:
-            path = args.checkpoint_dir / f"step{start:06d}" / f"rank{rank}.pt"
-            state = torch.load(path, weights_only=True)
+        start, state = latest_readable(args.checkpoint_dir, rank, world)
+        if state is not None:
             model.load_state_dict(state["model"])
             inner.load_state_dict(state["inner"])
             sync.load_state_dict(state["sync"])
@@ -116,7 +99,9 @@ def main() -> None:
         inner.step()  # every sync_every-th step ends with a sync
         done = step + 1
         if args.checkpoint_dir is not None and done % args.save_every == 0:
-            save(args.checkpoint_dir, done, rank, model, inner, sync)
+            state = {"model": model.state_dict(), "inner": inner.state_dict(),
+                     "sync": sync.state_dict()}  # fmt: skip
+            save(args.checkpoint_dir, done, rank, state)
         if rank == 0 and (done % 50 == 0 or done == steps):
             print(f"step {done:4d}  loss {loss.item():.4f}  syncs {sync.syncs}")
     with torch.no_grad():

@@ -10,11 +10,11 @@ Each rank trains on its own share of every epoch's minibatches; the optimizer's 
 threshold-encoded, exchanged over torch.distributed (gloo on CPU, NCCL on CUDA) and applied
 alike on every rank. With ``--checkpoint-dir`` every rank saves its own state (model,
 optimizer, residual, threshold) every ``--save-every`` steps and resumes from the newest step
-that every rank saved and can read (past a damaged file, all ranks fall back alike). That is
-also what makes an elastic restart whole: under ``torchrun --max-restarts=N`` a worker that
-dies takes the others down, torchrun starts them all again (``TORCHELASTIC_RESTART_COUNT``
-counts the attempts), and they resume from the
-checkpoints to the parameters an uninterrupted run reaches. ``--crash-at-step K`` kills the
+that every rank saved and can read (past a damaged file, all ranks fall back alike:
+``rank_checkpoints.py``). That is also what makes an elastic restart whole: under ``torchrun
+--max-restarts=N`` a worker that dies takes the others down, torchrun starts them all again
+(``TORCHELASTIC_RESTART_COUNT`` counts the attempts), and they resume from the checkpoints to
+the parameters an uninterrupted run reaches. ``--crash-at-step K`` kills the
 last rank at step K of the first attempt, to try it; ``--hierarchical`` uses
 ``SharedOptimizer(..., hierarchical=True)`` (dense inside a machine, encoded across).
 """
@@ -33,6 +33,8 @@ from torch.nn import functional as F
 from gradshare import AdaptiveThreshold, SharedOptimizer
 from gradshare.app.datasets import digits, minibatches, mlp
 
+from rank_checkpoints import latest_readable, save
+
 
 def schedule(split, epochs: int, batch_size: int, rank: int, world: int) -> list:
     """This rank's minibatches, in order: every epoch shuffled alike on all ranks, dealt out.
@@ -45,47 +47,6 @@ def schedule(split, epochs: int, batch_size: int, rank: int, world: int) -> list
         batches = minibatches(split.x_train, split.y_train, batch_size, seed=epoch)
         out += batches[: len(batches) // world * world][rank::world]
     return out
-
-
-def complete_steps(ckpt: Path, world: int) -> list[int]:
-    """The steps for which every rank's checkpoint exists, newest first."""
-    steps = []
-    for d in ckpt.glob("step*"):
-        if all((d / f"rank{r}.pt").exists() for r in range(world)):
-            steps.append(int(d.name[4:]))
-    return sorted(steps, reverse=True)
-
-
-def latest_readable(ckpt: Path, rank: int, world: int) -> tuple[int, dict | None]:
-    """The newest step whose checkpoint every rank can read, and this rank's state of it
-    ((0, None) if none). The ranks agree (an all-reduce per step tried), so that all fall
-    back alike past a checkpoint that one rank cannot read (a damaged file)."""
-    for step in complete_steps(ckpt, world):
-        try:
-            state = load(ckpt, step, rank)
-        except Exception as e:  # damaged, cut short: try the one before
-            print(f"rank {rank}: cannot read its checkpoint of step {step}: {e}", flush=True)
-            state = None
-        ok = torch.tensor([state is not None], dtype=torch.int64)
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-        if ok.item():
-            return step, state
-        if rank == 0:
-            print(f"step {step} is unreadable on some rank: falling back", flush=True)
-    return 0, None
-
-
-def save(ckpt: Path, step: int, rank: int, model, opt: SharedOptimizer) -> None:
-    d = ckpt / f"step{step:06d}"
-    d.mkdir(parents=True, exist_ok=True)
-    tmp = d / f".rank{rank}.pt"
-    torch.save({"step": step, "model": model.state_dict(), "optimizer": opt.state_dict()}, tmp)
-    tmp.rename(d / f"rank{rank}.pt")  # atomic: a rank file exists only when complete
-
-
-def load(ckpt: Path, step: int, rank: int) -> dict:
-    """What :func:`save` wrote: tensors, dicts, lists and numbers only (``weights_only``)."""
-    return torch.load(ckpt / f"step{step:06d}" / f"rank{rank}.pt", weights_only=True)
 
 
 def init_distributed() -> None:
@@ -166,7 +127,8 @@ def main() -> None:
         opt.step()
         done = step + 1
         if args.checkpoint_dir is not None and done % args.save_every == 0:
-            save(args.checkpoint_dir, done, rank, model, opt)
+            state = {"step": done, "model": model.state_dict(), "optimizer": opt.state_dict()}
+            save(args.checkpoint_dir, done, rank, state)
         if rank == 0 and (done % 50 == 0 or done == steps):
             s = opt.last_stats
             assert s is not None

@@ -1,12 +1,16 @@
-"""Five runs of ``examples/accelerate_ddp.py`` from one parent process: each run's
+"""Seven runs of ``examples/accelerate_ddp.py`` from one parent process: each run's
 ``notebook_launcher`` forks 2 new processes, so every run, resumes included, starts in new
 processes, while torch, accelerate and gradshare are imported once (~2.5 s of CPU a launch,
 a third of what a run of the example takes). In order, each for 26 steps:
 
-1. ``--share gradients`` straight through, saving at step 25 into ``TMP/ckpt``, then resumed
-   from that save; the same for ``--share local --sync-every 4`` (saved between two syncs)
-   into ``TMP/local/ckpt``.
-2. ``TMP/ckpt`` with rank 1's file left from the save before (refused).
+1. ``--share gradients`` straight through, saving at step 25 into ``TMP/gradients/ckpt``,
+   then resumed from that save; the same for ``--share local --sync-every 4`` (saved between
+   two syncs) into ``TMP/local/ckpt``.
+2. A copy of ``TMP/gradients/ckpt`` in ``TMP/cut/ckpt``, resumed and saved into again at
+   step 26 with the main process killed once every rank's pre-hook has run, before
+   accelerate writes its own files; then resumed from (refused: the rank files are of step
+   26, accelerate's files of step 25).
+3. ``TMP/gradients/ckpt`` with rank 1's file left from the save before (refused).
 
     python tests/accelerate_runs.py TMP
 
@@ -16,9 +20,16 @@ Everything the runs print goes to this process's stdout, each run after a line
 
 from __future__ import annotations
 
+import os
+import shutil
 import sys
 import traceback
 from pathlib import Path
+from typing import Any
+from unittest import mock
+
+import accelerate.accelerator
+import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import accelerate_ddp
@@ -39,6 +50,15 @@ def run(name: str, *args: str | Path) -> None:
     sys.stdout.flush()
 
 
+def killed_main(*args: Any, **kwargs: Any) -> None:
+    """accelerate's writing of its files, where the main process dies once every rank's
+    pre-hook has written its rank file."""
+    dist.barrier()
+    if dist.get_rank() == 0:
+        os._exit(1)
+    accelerate.checkpointing.save_accelerator_state(*args, **kwargs)
+
+
 def main() -> None:
     tmp = Path(sys.argv[1])
     for name, share in (("gradients", []), ("local", LOCAL)):
@@ -47,6 +67,11 @@ def main() -> None:
         run(f"{name}-straight", *share, *STEPS, "--save-at", "25", "--checkpoint-dir", ckpt,
             "--out", tmp / name / "straight.pt")  # fmt: skip
         run(f"{name}-resumed", *share, *STEPS, "--resume", ckpt, "--out", tmp / name / "resumed.pt")
+    cut = tmp / "cut" / "ckpt"
+    shutil.copytree(tmp / "gradients" / "ckpt", cut)
+    with mock.patch.object(accelerate.accelerator, "save_accelerator_state", killed_main):
+        run("cut", *STEPS, "--resume", cut, "--save-at", "26", "--checkpoint-dir", cut)
+    run("cut-resumed", *STEPS, "--resume", cut)
     make_stale(accelerate_rank_file(tmp / "gradients" / "ckpt", 1))
     run("stale", *STEPS, "--resume", tmp / "gradients" / "ckpt")
 

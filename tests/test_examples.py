@@ -139,7 +139,7 @@ def _example(script: str) -> ModuleType:
 def test_checkpoints_load_weights_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A checkpoint was read with torch.load's full unpickler whenever it was the default
     (TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD), so a planted rank file ran code on resume."""
-    example = _example("torchrun_shared.py")
+    example = _example("rank_checkpoints.py")  # what the torchrun examples load with
     ran = tmp_path / "ran"
     (tmp_path / "step000005").mkdir()
     torch.save({"step": 5, "model": Hostile(ran)}, tmp_path / "step000005" / "rank0.pt")

@@ -119,11 +119,11 @@ def plain_ddp(*args: Any) -> torch.Tensor:
 
 
 def _lightning_fits(tmp: Path) -> dict[str, Any]:
-    """``tests/lightning_fits.py``: its eleven fits in one torchrun launch (the three shares,
+    """``tests/lightning_fits.py``: its twelve fits in one torchrun launch (the three shares,
     and local with overlap and fragments, straight through and resumed; the spoiled
-    checkpoints), and plain DDP for two shares, which runs meanwhile; then the example as a
-    user runs it (Lightning's own launcher starts the processes), resuming the local fit
-    from its ``step=3.ckpt`` in new processes."""
+    checkpoints; local steps with a grad scaler), and plain DDP for two shares, which runs
+    meanwhile; then the example as a user runs it (Lightning's own launcher starts the
+    processes), resuming the local fit from its ``step=3.ckpt`` in new processes."""
     with ThreadPoolExecutor(1) as meanwhile:
         oracles = {share: meanwhile.submit(plain_ddp, "lightning", 2, 3, share)
                    for share in ("gradients", "updates")}  # fmt: skip
@@ -141,7 +141,7 @@ def _lightning_fits(tmp: Path) -> dict[str, Any]:
 
 
 def _accelerate_runs(tmp: Path) -> dict[str, Any]:
-    """``tests/accelerate_runs.py``: its five runs from one parent (each in new processes),
+    """``tests/accelerate_runs.py``: its seven runs from one parent (each in new processes),
     and plain DDP, which runs meanwhile. Each run's printed lines, by name."""
     with ThreadPoolExecutor(1) as meanwhile:
         oracle = meanwhile.submit(plain_ddp, "accelerate", 1, 26)
@@ -170,11 +170,13 @@ def runs(
         or selected(request, "test_local_steps_resume_bit_for_bit")
         or selected(request, "test_local_steps_with_overlap_and_fragments")
         or selected(request, "test_stale_and_plain_checkpoints")
+        or selected(request, "test_a_step_the_scaler_skipped_still_syncs")
     ):
         jobs["lightning"] = partial(_lightning_fits, tmp_path_factory.mktemp("lightning"))
     if importlib.util.find_spec("accelerate") is not None and (
         selected(request, "test_resumed_run_matches_the_straight_run_and_plain_ddp")
         or selected(request, "test_local_steps_resume_at_any_step")
+        or selected(request, "test_rank_files_newer_than_accelerates_are_refused")
     ):
         jobs["accelerate"] = partial(_accelerate_runs, tmp_path_factory.mktemp("accelerate"))
     if importlib.util.find_spec("lightning") is not None and selected(
@@ -277,6 +279,22 @@ class TestLightning:
             assert ranks["plain-allowed"][1] is None, ranks["plain-allowed"]
         assert "step 6:" in run["fits"][0]["plain-allowed"][0]
 
+    def test_a_step_the_scaler_skipped_still_syncs(
+        self, runs: dict[str, Future[dict[str, Any]]]
+    ) -> None:
+        """``precision="16-mixed"``: the scaler skips the step of a rank whose gradients
+        overflowed, and LocalSteps, counting steps, put that rank's syncs a step late in
+        every round, so the ranks' collectives no longer matched (the launch hung). The
+        strategy now passes the precision plugin's scaler (``LocalSteps(grad_scaler=...)``): rank 1
+        overflows at step 1 of 6, a sync every 2, and the replicas end bit-identical."""
+        pytest.importorskip("lightning", reason=f"needs Lightning: {INSTALL}")
+        run = runs["lightning"].result()
+        ranks = [fits["local-scaler"] for fits in run["fits"]]
+        for rank in ranks:
+            assert rank["error"] is None and rank["reached"] is True, ranks
+            assert rank["replicas_equal"] is True, ranks
+        assert ranks[1]["scale"] < ranks[0]["scale"]  # rank 1's scaler skipped a step
+
     def test_process_group_timeout_follows_gradshare_timeout(self) -> None:
         """Lightning broadcasts on the default group every step, under DDPStrategy's timeout
         (torch's 30 minutes): a hung rank held the others that long whatever
@@ -337,6 +355,27 @@ class TestAccelerate:
         stale = said["stale"]  # accelerate shows one failed rank's error
         assert named in stale or "Rank(s) [1] could not load their gradshare" in stale, stale
         assert "step 26:" not in stale
+
+    def test_rank_files_newer_than_accelerates_are_refused(
+        self, runs: dict[str, Future[dict[str, Any]]]
+    ) -> None:
+        """The rank files are written in a save pre-hook, before accelerate writes model and
+        optimizer, and the token with them: the main process killed in between left step-26
+        rank files beside the step-25 model, and ``load_state`` took them (exit 0, the hook
+        one iteration ahead). The token is now written once every rank is through
+        ``save_state``: each rank refuses its file, naming both steps."""
+        pytest.importorskip("accelerate", reason=f"needs accelerate: {INSTALL}")
+        run = runs["accelerate"].result()
+        said, cut = run["said"], run["tmp"] / "cut" / "ckpt"
+        assert "resumed from step 25" in said["cut"] and "saved step 26" not in said["cut"]
+        refused = said["cut-resumed"]  # accelerate shows one failed rank's error
+        assert any(
+            f"{accelerate_rank_file(cut, r)} is from another save than "
+            f"{cut / 'gradshare-save.json'}: the file is of step 26, the checkpoint of step 25"
+            in refused
+            for r in range(WORLD)
+        ), refused
+        assert "step 26:" not in refused
 
     def test_local_steps_resume_at_any_step(self, runs: dict[str, Future[dict[str, Any]]]) -> None:
         """``--share local`` (no_sync, LocalSteps every 4 steps): saved at step 25, between

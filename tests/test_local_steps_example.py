@@ -1,14 +1,17 @@
-"""examples/local_steps.py under torchrun, as a user runs it; a killed worker resumes."""
+"""examples/local_steps.py under torchrun, as a user runs it; a killed worker resumes, and a
+damaged checkpoint is passed over."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -33,19 +36,35 @@ def torchrun(*args: str | Path, restarts: int = 0) -> subprocess.CompletedProces
 def launched(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[dict[str, Future[subprocess.CompletedProcess[str]]]]:
-    """The launches of the selected tests below, both started at once (each spends seconds
-    starting its agent and then its workers, so they overlap): a test waits for its own."""
-    jobs = {
-        "whole": partial(torchrun, *STEPS, "--out", tmp_path_factory.mktemp("whole") / "whole.pt")
-    }
+    """The launches of the selected tests below, started at once (each spends seconds
+    starting its agent and then its workers, so they overlap): a test waits for its own.
+    The uninterrupted run saves at steps 10 and 20; the damaged launch starts from a copy of
+    those checkpoints once it has ended."""
+    tmp = tmp_path_factory.mktemp("whole")
+    jobs = {"whole": partial(torchrun, *STEPS, "--checkpoint-dir", tmp / "ckpt",
+                             "--out", tmp / "whole.pt")}  # fmt: skip
     if selected(request, "test_elastic_restart_ends_where_an_uninterrupted_run_does"):
         tmp = tmp_path_factory.mktemp("elastic")
         jobs["elastic"] = partial(
             torchrun, *STEPS, "--checkpoint-dir", tmp / "ckpt", "--crash-at-step", "12",
             "--out", tmp / "elastic.pt", restarts=1,
         )  # fmt: skip
-    with ThreadPoolExecutor(len(jobs)) as pool:
-        yield {name: pool.submit(job) for name, job in jobs.items()}
+    with ThreadPoolExecutor(len(jobs) + 1) as pool:
+        runs = {name: pool.submit(job) for name, job in jobs.items()}
+        if selected(request, "test_a_damaged_newest_checkpoint_is_passed_over"):
+            tmp = tmp_path_factory.mktemp("damaged")
+            runs["damaged"] = pool.submit(_damaged, runs["whole"], tmp)
+        yield runs
+
+
+def _damaged(whole: Future[subprocess.CompletedProcess[str]], tmp: Path) -> Any:
+    """Once ``whole`` has ended: a copy of its checkpoints, rank 1's newest file (step 20)
+    damaged, resumed by a launch that may restart once."""
+    run = whole.result()
+    ckpt = tmp / "ckpt"
+    shutil.copytree(run.args[run.args.index("--checkpoint-dir") + 1], ckpt)
+    (ckpt / "step000020" / "rank1.pt").write_bytes(b"PK\x03\x04 cut short")
+    return torchrun(*STEPS, "--checkpoint-dir", ckpt, "--out", tmp / "resumed.pt", restarts=1)
 
 
 def _out(run: subprocess.CompletedProcess[str]) -> torch.Tensor:
@@ -74,5 +93,19 @@ def test_elastic_restart_ends_where_an_uninterrupted_run_does(
     for bit."""
     run = launched["elastic"].result()
     assert run.returncode == 0, run.stderr[-3000:]
+    assert "resumed from step 10" in run.stdout
+    assert torch.equal(_out(run), whole[1])
+
+
+def test_a_damaged_newest_checkpoint_is_passed_over(
+    launched: dict[str, Future[subprocess.CompletedProcess[str]]], whole: tuple[str, torch.Tensor]
+) -> None:
+    """Rank 1's file of step 20 is damaged: the example loaded the newest checkpoint every
+    rank had, and every attempt, restarts included, failed with torch's raw zip error. Every
+    rank now falls back to step 10, alike, and the run ends at the uninterrupted run's
+    parameters, bit for bit."""
+    run = launched["damaged"].result()
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "step 20 is unreadable on some rank: falling back" in run.stdout
     assert "resumed from step 10" in run.stdout
     assert torch.equal(_out(run), whole[1])

@@ -12,15 +12,18 @@ own file beside the framework's checkpoint and reads it back on resume:
 - Hugging Face Trainer: ``GradshareCallback(share="hook"|"updates"|"local").attach(trainer)``
   registers the hook, wraps Trainer's optimizer in ``SharedOptimizer`` or runs ``LocalSteps``
   on the DDP model Trainer builds; it writes ``checkpoint-N/gradshare-rank{r}.pt`` at every
-  save and reads it back on resume, and adds gradshare's metrics to Trainer's logs.
+  save and reads back those of the folder Trainer resumed from, and adds gradshare's metrics
+  to Trainer's logs.
 - accelerate: after ``accelerator.prepare(...)``,
   ``state = register_threshold_hook(model)`` and ``register_rank_checkpointing(accelerator,
   state)``; ``save_state(dir)`` then also writes ``dir/gradshare-rank{r}.pt``.
 
 Each file records the rank and world size that wrote it, and the save's token (a random id
-agreed by the ranks, and the step), which rank 0 also writes into the framework's checkpoint;
-loading refuses another rank's file, another world size's, or one of another save (a save cut
-short), on every rank alike. Files are read with ``torch.load(weights_only=True)``.
+agreed by the ranks, and the step), which the framework's checkpoint also holds (Lightning's
+checkpoint dict and Trainer's ``trainer_state.json`` hold it; accelerate's directory gets
+``gradshare-save.json`` once every rank is through ``save_state``); loading refuses another
+rank's file, another world size's, or one of another save (a save cut short, another run's
+files), on every rank alike. Files are read with ``torch.load(weights_only=True)``.
 
 Why accelerate has the hook only: ``save_state`` writes the optimizer's ``state_dict()`` from
 the main process and ``load_state`` loads that one file into every rank's optimizer, with no

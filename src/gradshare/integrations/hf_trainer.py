@@ -3,23 +3,46 @@ private, loaded by ``gradshare.integrations.GradshareCallback`` on first use).""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import logging
+import os
+from collections.abc import Sequence
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from transformers import TrainerCallback
+from transformers.trainer_utils import get_last_checkpoint
 
+from gradshare._checks import to_seconds
 from gradshare.distributed.ddp_hook import ThresholdHookState, register_threshold_hook
+from gradshare.distributed.exchange import collective
 from gradshare.distributed.local_steps import DEFAULT_DECAY, DEFAULT_DENSITY, LocalSteps
 from gradshare.distributed.metrics import warn_if_adaptive
 from gradshare.distributed.shared_optimizer import SharedOptimizer, _local_gradient_hook
 from gradshare.encoding.options import EncodingOptions, encoding_options
-from gradshare.integrations.rank_files import load_rank_directory, save_rank_directory
+from gradshare.integrations.rank_files import (
+    SaveToken,
+    accelerate_rank_file,
+    load_rank_state,
+    new_token,
+    save_rank_state,
+)
 
 __all__ = ["GradshareCallback"]
 
+logger = logging.getLogger(__name__)
+
 Share = Literal["hook", "updates", "local"]
+
+_TOKEN_KEY = "gradshare"
+"""Where the callback keeps the next save's token id in ``TrainerState.stateful_callbacks``,
+which Trainer writes into each checkpoint's ``trainer_state.json`` (a key that names no
+callback class, so Trainer restores no callback from it)."""
 
 
 class GradshareCallback(TrainerCallback):
@@ -44,13 +67,39 @@ class GradshareCallback(TrainerCallback):
     - ``"local"``: DDP's all-reduce is switched off (a hook that leaves every gradient local)
       and :class:`gradshare.LocalSteps` syncs the replicas every ``sync_every`` steps.
 
-    Checkpoints: at every save (``on_save``), each rank writes
-    ``checkpoint-N/gradshare-rank{r}.pt`` (its residuals and threshold states; with
-    ``"updates"`` and ``"local"`` also its own optimizer state, and with ``"local"`` its own
-    replica's parameters, which Trainer's rank-0 files cannot hold), then rank 0
-    ``checkpoint-N/gradshare-save.json`` with the save's token. A ``train(resume_from_checkpoint
-    =...)`` starting at step N reads ``<resume_from or output_dir>/checkpoint-N`` back after
-    Trainer has loaded its own files; a file of another save is refused on every rank alike.
+    Checkpoints: when training begins the ranks agree on a token for the next save (a random
+    id), which the callback keeps in Trainer's state (``stateful_callbacks["gradshare"]``),
+    so Trainer writes it into the checkpoint's ``trainer_state.json``. Then, at that save
+    (``on_save``, once Trainer's files are written), each rank writes
+    ``checkpoint-N/gradshare-rank{r}.pt`` with that token (its residuals and threshold
+    states; with ``"updates"`` and ``"local"`` also its own optimizer state, and with
+    ``"local"`` its own replica's parameters, which Trainer's rank-0 files cannot hold), and
+    the ranks agree on the next token. ``train(resume_from_checkpoint=...)`` (a folder, or
+    ``True`` for the newest in ``output_dir``) reads the rank files of the very folder Trainer
+    resumed from (``attach`` wraps ``trainer.train`` to note it) after Trainer has loaded its
+    own files, and checks them against the token of the ``trainer_state.json`` Trainer
+    restored: rank files of another save (a rank killed after Trainer wrote
+    ``checkpoint-N`` but before ``on_save``, the same ``output_dir`` saved into by another
+    run) are refused on every rank alike, naming both, before anything is restored.
+
+    Timeout: Trainer's own collectives (each step's token count with
+    ``average_tokens_across_devices``, the logged loss) wait on the default process group
+    under its timeout, which ``TrainingArguments(ddp_timeout=...)`` does not reach on CPU
+    (torch's 30 minutes there). When training begins the callback sets that group's timeout to
+    ``ddp_timeout`` if you changed it, else to gradshare's ``timeout`` (300 s by default), so a
+    hung rank holds the others that long at most; the setting stays for the process.
+
+    Mixed precision: with ``"local"``, accelerate's ``GradScaler`` (``fp16=True``) goes to
+    ``LocalSteps(grad_scaler=...)``, so a rank whose step the scaler skipped still syncs with
+    the others.
+
+    The end of training (``on_train_end``), with ``"local"``: LocalSteps closes (a round in
+    flight is merged), and when the replicas may differ (the run did not end on a sync, or
+    with ``overlap`` or ``fragments``) they are averaged once, densely (one all-reduce of the
+    parameters, not counted in ``bytes_sent``): every rank then holds the same model, the
+    mean of the replicas, which ``trainer.save_model()`` saves, rather than rank 0's replica
+    without the other ranks' last partial round. A checkpoint of the last step, saved before,
+    keeps each rank's own replica, so a resume from it continues as the run went.
 
     Logs: ``bytes_sent``, ``dense_bytes``, ``compression`` (dense / sent), ``density`` and
     ``threshold`` of this rank join every log (``trainer.state.log_history``); the callback
@@ -61,8 +110,9 @@ class GradshareCallback(TrainerCallback):
         sync_every, density, decay, outer_optimizer, overlap, fragments, compact:
             :class:`~gradshare.LocalSteps`' (``share="local"``).
         start_iter, momentum: the hook's (:class:`~gradshare.ThresholdHookState`).
-        resume_from: the folder holding ``checkpoint-N`` of a resumed run when it is not
-            ``args.output_dir``.
+        resume_from: the folder holding ``checkpoint-N`` of a resumed run, for the rare case
+            that the callback cannot learn it (``train`` reached otherwise than through
+            ``trainer.train``); ``args.output_dir`` if not given.
         options: the encoding settings (:class:`~gradshare.EncodingOptions`), or give its
             fields as keywords (``threshold``, ``reduction``, ``timeout``, ...).
 
@@ -99,14 +149,35 @@ class GradshareCallback(TrainerCallback):
         self.resume_from = None if resume_from is None else Path(resume_from)
         self.trainer: Any = None
         self.shared: ThresholdHookState | SharedOptimizer | LocalSteps | None = None
+        self._resumed: Path | None = None
+        """The checkpoint folder ``trainer.train`` was given to resume from."""
 
     def attach(self, trainer: Any) -> GradshareCallback:
-        """Add this callback to ``trainer``, first among its callbacks; returns it."""
+        """Add this callback to ``trainer``, first among its callbacks, and note the
+        checkpoint folder each ``trainer.train(resume_from_checkpoint=...)`` resumes from;
+        returns it."""
         if self.trainer is not None:
             raise ValueError("This GradshareCallback is attached already: make one per Trainer.")
         self.trainer = trainer
         trainer.callback_handler.callbacks.insert(0, self)
+        train = trainer.train
+
+        @functools.wraps(train)
+        def train_noting_checkpoint(resume_from_checkpoint: Any = None, *args: Any,
+                                    **kwargs: Any) -> Any:  # fmt: skip
+            return train(self._note_checkpoint(resume_from_checkpoint), *args, **kwargs)
+
+        trainer.train = train_noting_checkpoint
         return self
+
+    def _note_checkpoint(self, resume: Any) -> Any:
+        """``resume_from_checkpoint`` as Trainer will take it (``True``: the newest
+        checkpoint in ``output_dir``, resolved here as Trainer resolves it), its folder
+        noted."""
+        if resume is True and os.path.isdir(self.trainer.args.output_dir):
+            resume = get_last_checkpoint(self.trainer.args.output_dir) or True
+        self._resumed = Path(resume) if isinstance(resume, (str, os.PathLike)) else None
+        return resume
 
     # ------------------------------------------------------------------ set-up
 
@@ -126,25 +197,82 @@ class GradshareCallback(TrainerCallback):
             )
         if self.shared is not None:
             raise RuntimeError("GradshareCallback runs one train(): make a new one per Trainer.")
+        _set_group_timeout(self._group_timeout(args))
+        resume = self._resume(args, state) if state.global_step > 0 else None  # Trainer resumed
+        self.shared = self._share(trainer, ddp)
+        if resume is not None:
+            self._load(resume)
+        self._next_token(state)
+
+    def _share(self, trainer: Any, ddp: DistributedDataParallel) -> Any:
         accelerated = trainer.optimizer
         inner = getattr(accelerated, "optimizer", accelerated)
         if self.share == "hook":
             warn_if_adaptive(inner, "GradshareCallback(share='hook')")
-            self.shared = register_threshold_hook(ddp, options=self.options, **self._hook)
-        elif self.share == "updates":
-            self.shared = SharedOptimizer(inner, ddp=ddp, options=self.options)
-            accelerated.optimizer = self.shared  # Trainer steps and saves through it
-        else:
-            ddp.register_comm_hook(None, _local_gradient_hook)
-            self.shared = LocalSteps(trainer.model, inner, options=self.options, **self._local)
-        if state.global_step > 0:  # resumed: Trainer restored its state and files
-            folder = args.output_dir if self.resume_from is None else self.resume_from
-            load_rank_directory(_RankFile(self), Path(folder) / f"checkpoint-{state.global_step}",
-                                self.options.timeout)  # fmt: skip
+            return register_threshold_hook(ddp, options=self.options, **self._hook)
+        if self.share == "updates":
+            shared = SharedOptimizer(inner, ddp=ddp, options=self.options)
+            accelerated.optimizer = shared  # Trainer steps and saves through it
+            return shared
+        ddp.register_comm_hook(None, _local_gradient_hook)
+        scaler = getattr(trainer.accelerator, "scaler", None)  # fp16: skipped steps still sync
+        return LocalSteps(trainer.model, inner, grad_scaler=scaler, options=self.options,
+                          **self._local)  # fmt: skip
+
+    def _group_timeout(self, args: Any) -> timedelta:
+        """``ddp_timeout`` when changed from TrainingArguments' default, else gradshare's."""
+        fields = {f.name: f for f in dataclasses.fields(args)}
+        given = getattr(args, "ddp_timeout", None)
+        if "ddp_timeout" in fields and given != fields["ddp_timeout"].default:
+            return timedelta(seconds=to_seconds(given, "ddp_timeout"))
+        return timedelta(seconds=to_seconds(self.options.timeout))
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def _resume(self, args: Any, state: Any) -> _Resume:
+        """The checkpoint Trainer resumed from, with the token of the ``trainer_state.json``
+        Trainer restored (refused, on every rank alike, when it holds none)."""
+        step = state.global_step
+        if self._resumed is not None:
+            folder, source = self._resumed, str(self._resumed / "trainer_state.json")
+            fix = "resume from a checkpoint saved with GradshareCallback"
+        else:  # train() reached otherwise: the folder is a guess
+            folder = Path(self.resume_from or args.output_dir) / f"checkpoint-{step}"
+            source = "the trainer_state.json Trainer restored"
+            fix = "pass `GradshareCallback(resume_from=<the folder holding checkpoint-N>)`"
+        held = state.stateful_callbacks.get(_TOKEN_KEY)
+        if not isinstance(held, dict) or not isinstance(held.get("id"), int):
+            raise ValueError(
+                f"Expect the trainer state Trainer resumed ({source}) to hold a gradshare save "
+                f"token (`stateful_callbacks[{_TOKEN_KEY!r}]`), got {held!r}: the checkpoint "
+                "was not saved by this GradshareCallback (plain Trainer, or an older "
+                "gradshare). Resume from a checkpoint saved with it; nothing was restored."
+            )
+        return _Resume(folder, source, fix, SaveToken(held["id"], step))
+
+    def _load(self, resume: _Resume) -> None:
+        """This rank's file of ``resume``, checked against its token (on every rank alike)."""
+        path = accelerate_rank_file(resume.folder, dist.get_rank())
+        try:
+            load_rank_state(_RankFile(self), path, token=resume.token, source=resume.source,
+                            timeout=self.options.timeout)  # fmt: skip
+        except FileNotFoundError as e:
+            raise FileNotFoundError(
+                f"{e} Trainer resumed {resume.folder.name}: {resume.fix}."
+            ) from e
+
+    def _next_token(self, state: Any) -> None:
+        """The ranks agree on the next save's token id; Trainer writes it with its state."""
+        token = new_token(-1, timeout=self.options.timeout)
+        state.stateful_callbacks[_TOKEN_KEY] = {"id": token.id}
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """Trainer has written ``checkpoint-N`` with the token: every rank's file joins it."""
+        token = SaveToken(state.stateful_callbacks[_TOKEN_KEY]["id"], state.global_step)
         folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-        save_rank_directory(_RankFile(self), folder, state.global_step, self.options.timeout)
+        save_rank_state(_RankFile(self), accelerate_rank_file(folder, dist.get_rank()),
+                        token=token)  # fmt: skip
+        self._next_token(state)
 
     def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> None:
         if self.shared is None or logs is None:
@@ -155,8 +283,43 @@ class GradshareCallback(TrainerCallback):
             state.log_history[-1].update(metrics)  # Trainer logged a copy of `logs`
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if isinstance(self.shared, LocalSteps):
-            self.shared.close()
+        sync = self.shared
+        if isinstance(sync, LocalSteps):
+            sync.close()
+            if sync.overlap or sync.fragments > 1 or sync.steps % sync.sync_every:  # may differ
+                _average_replicas_(sync.params, self.options.timeout)
+
+
+def _set_group_timeout(timeout: timedelta) -> None:
+    """The default process group's timeout, for the collectives issued from now on."""
+    setter = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+    if setter is None:  # not in this torch: the group keeps the timeout it was made with
+        logger.warning("GradshareCallback cannot set the process group's timeout here.")
+        return
+    setter(timeout, None)
+
+
+@torch.no_grad()
+def _average_replicas_(params: Sequence[torch.Tensor], timeout: Any) -> None:
+    """Every rank's ``params`` become the mean of the ranks' (one all-reduce)."""
+    flat = torch.cat([p.detach().reshape(-1) for p in params])
+    collective(dist.all_reduce, flat, what="final average of the replicas", rank=dist.get_rank(),
+               timeout=timedelta(seconds=to_seconds(timeout)))  # fmt: skip
+    flat /= dist.get_world_size()
+    for p, piece in zip(params, flat.split([p.numel() for p in params]), strict=True):
+        p.copy_(piece.view_as(p))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Resume:
+    """The checkpoint Trainer resumed from: where the rank files are, and what they must hold."""
+
+    folder: Path
+    source: str
+    """What holds the token, as the errors name it."""
+    fix: str
+    """What to do when a rank file is missing."""
+    token: SaveToken
 
 
 class _RankFile:

@@ -47,7 +47,9 @@ class GradshareDDPStrategy(DDPStrategy):
     - ``share="local"``: DDP's all-reduce is switched off (a comm hook that leaves every
       gradient local) and :class:`gradshare.LocalSteps` over the LightningModule, with the
       optimizer of ``configure_optimizers`` (one) as its inner optimizer, syncs the replicas
-      every ``sync_every`` steps (DiLoCo / SparseLoCo).
+      every ``sync_every`` steps (DiLoCo / SparseLoCo). Under ``precision="16-mixed"`` the
+      precision plugin's ``GradScaler`` goes to ``LocalSteps(grad_scaler=...)``, so a rank
+      whose step the scaler skipped (its gradients overflowed) still syncs with the others.
 
     Every checkpoint the trainer saves (``ModelCheckpoint``, ``trainer.save_checkpoint``) gets,
     beside it, one ``<checkpoint>.gradshare-rank{r}.pt`` per rank with that rank's residuals,
@@ -176,8 +178,10 @@ class GradshareDDPStrategy(DDPStrategy):
             if self.local_steps is not None:
                 self.local_steps.close()
             assert self.lightning_module is not None
+            scaler = getattr(self.precision_plugin, "scaler", None)  # "16-mixed": skipped steps
             self.local_steps = LocalSteps(self.lightning_module, self.optimizers[0],
-                                          options=self.options, **self._local_settings)  # fmt: skip
+                                          grad_scaler=scaler, options=self.options,
+                                          **self._local_settings)  # fmt: skip
         if self.share == "updates":
             assert isinstance(self.model, DistributedDataParallel)
             shared = SharedOptimizer(self.optimizers[0], ddp=self.model, options=self.options)

@@ -7,18 +7,19 @@ the rank and world size that wrote it; loading refuses another rank's file or an
 size's. Files are read with ``torch.load(weights_only=True)``.
 
 Every save has a :class:`SaveToken`: a random id agreed across ranks (:func:`new_token`) and
-the step. Each rank writes it into its file; the integrations then write it from rank 0 into
-the framework's checkpoint (Lightning's checkpoint dict, accelerate's directory). A save cut
-short (a rank killed while it wrote) leaves files and checkpoint of different saves, so a
-rank file left from an earlier save is refused by name, with both steps. At every load the
-ranks also gather their files' tokens (through :func:`gradshare.distributed.exchange.
-collective`) and refuse alike, before anything is restored, when one rank could not read its
-file or the files are of different saves.
+the step. Each rank writes it into its file, and the integrations tie it to the framework's
+own checkpoint: Lightning's checkpoint dict holds it, Trainer's ``trainer_state.json`` holds
+it, accelerate's directory gets it once every rank has written all its files. A save cut
+short (a rank killed while it wrote), or another run's files in the same folder, leave files
+and checkpoint of different saves, so such a rank file is refused by name, with both steps
+(both ids when the steps are the same). At every load the ranks also gather their files'
+tokens (through :func:`gradshare.distributed.exchange.collective`) and refuse alike, before
+anything is restored, when one rank could not read its file or the files are of different
+saves.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import secrets
 from dataclasses import dataclass
@@ -37,16 +38,12 @@ __all__ = [
     "Stateful",
     "accelerate_rank_file",
     "lightning_rank_file",
-    "load_rank_directory",
     "load_rank_state",
     "new_token",
     "rank_and_world",
-    "save_rank_directory",
     "save_rank_state",
+    "wait_for_ranks",
 ]
-
-TOKEN_FILE = "gradshare-save.json"
-"""The file in a checkpoint directory where rank 0 writes the save's token."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,11 +157,21 @@ def _read(
     mine = SaveToken.from_dict(saved.get("token"))
     if token is not None and mine != token:
         raise ValueError(
-            f"{path} is from another save than {source}: the file is of step {_step(mine)}, "
-            f"the checkpoint of step {_step(token)}. A save was cut short (a rank stopped "
-            "while it wrote), so this checkpoint is incomplete: resume from an earlier one."
+            f"{path} is from another save than {source}: {_versus(mine, token)}. A save was "
+            "cut short (a rank stopped while it or the framework wrote), or another run saved "
+            "into this folder, so this checkpoint is incomplete: resume from an earlier one."
         )
     return saved
+
+
+def _versus(mine: SaveToken | None, token: SaveToken) -> str:
+    """How a rank file's token differs from the checkpoint's, in words."""
+    if mine is not None and mine.step == token.step >= 0:
+        return (
+            f"both are of step {token.step}, but of different saves (the file's id "
+            f"{mine.id:#x}, the checkpoint's {token.id:#x})"
+        )
+    return f"the file is of step {_step(mine)}, the checkpoint of step {_step(token)}"
 
 
 def load_rank_state(
@@ -238,39 +245,16 @@ def lightning_rank_file(checkpoint: str | os.PathLike[str], rank: int) -> Path:
 
 def accelerate_rank_file(directory: str | os.PathLike[str], rank: int) -> Path:
     """Where :func:`register_rank_checkpointing` keeps rank ``rank``'s state in a checkpoint
-    directory of ``accelerator.save_state``."""
+    directory of ``accelerator.save_state`` (and ``GradshareCallback`` in Trainer's
+    ``checkpoint-N``)."""
     return Path(directory) / f"gradshare-rank{rank}.pt"
 
 
-def save_rank_directory(
-    obj: Stateful, directory: str | os.PathLike[str], step: int,
-    timeout: float | timedelta | None = None,
-) -> Path:  # fmt: skip
-    """Save ``obj`` of every rank into a checkpoint directory (a collective): the ranks agree
-    on a token, rank r writes ``<directory>/gradshare-rank{r}.pt``, then rank 0 writes the
-    token to ``<directory>/gradshare-save.json`` (so a token there means its file is whole)."""
-    rank = rank_and_world()[0]
-    token = new_token(step, timeout=timeout)
-    path = save_rank_state(obj, accelerate_rank_file(directory, rank), token=token)
-    if rank == 0:
-        saved = Path(directory) / TOKEN_FILE
-        tmp = saved.with_name(f".{saved.name}.tmp")
-        tmp.write_text(json.dumps(token.to_dict()))
-        os.replace(tmp, saved)
-    return path
-
-
-def load_rank_directory(
-    obj: Stateful, directory: str | os.PathLike[str], timeout: float | timedelta | None = None
-) -> None:
-    """Load what :func:`save_rank_directory` wrote for this rank (a collective): a file of
-    another save than ``gradshare-save.json`` names is refused on every rank alike."""
-    path = Path(directory) / TOKEN_FILE
-    token = None
-    if path.exists():
-        try:
-            token = SaveToken.from_dict(json.loads(path.read_text()))
-        except (OSError, ValueError):
-            token = SaveToken(-1, -1)  # unreadable: no rank file matches it
-    load_rank_state(obj, accelerate_rank_file(directory, rank_and_world()[0]), token=token,
-                    source=str(path), timeout=timeout)  # fmt: skip
+def wait_for_ranks(what: str, group: Any = None, timeout: float | timedelta | None = None) -> None:
+    """Return once every rank of ``group`` has called this (a collective, bounded by
+    ``timeout``; ``what`` names it in the error of a rank that waited in vain)."""
+    if rank_and_world(group)[1] == 1:
+        return
+    flag = torch.ones(1, dtype=torch.int64).to(_device(group))
+    collective(dist.all_reduce, flag, group=group, what=what,
+               timeout=timedelta(seconds=to_seconds(timeout)), rank=dist.get_rank())  # fmt: skip
