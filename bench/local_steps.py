@@ -180,7 +180,7 @@ def build(name: str, model: nn.Module, opt: torch.optim.Optimizer, steps: int) -
     sync = gradshare.LocalSteps(model, opt, sync_every=h, **kwargs)
     outer = sync.outer.param_groups[0]
     settings = {"sync_every": h, "density": sync.density, "decay": sync.decay,
-                "magnitude": sync.magnitude, "outer": type(sync.outer).__name__,
+                "magnitude": sync.options.magnitude, "outer": type(sync.outer).__name__,
                 "outer_lr": outer["lr"], "outer_momentum": outer.get("momentum", 0.0)}  # fmt: skip
     return Method(model, opt, lambda: float(sync.bytes_sent), sync.close, settings)
 

@@ -1,6 +1,6 @@
 """Train a tiny GPT-2 with the Hugging Face Trainer, gradshare sharing between 2 CPU processes.
 
-    python examples/hf_trainer.py --share hook        # starts its own 2 processes (torchrun)
+    python examples/hf_trainer.py --share gradients   # starts its own 2 processes (torchrun)
     python examples/hf_trainer.py --share updates     # SharedOptimizer around Trainer's AdamW
     python examples/hf_trainer.py --share local --steps 40 --save-steps 20 --output-dir out
     python examples/hf_trainer.py --share local --steps 40 --resume out/checkpoint-20
@@ -52,7 +52,7 @@ def build(args: argparse.Namespace, output_dir: Path) -> Trainer:
         max_steps=args.steps,
         per_device_train_batch_size=8,
         learning_rate=args.lr,
-        optim="sgd" if args.share == "hook" else "adamw_torch",
+        optim="sgd" if args.share == "gradients" else "adamw_torch",
         save_steps=args.save_steps or args.steps + 1,
         save_strategy="steps" if args.save_steps else "no",
         logging_steps=5,
@@ -83,7 +83,7 @@ def check_replicas(params: torch.Tensor) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--share", choices=["hook", "updates", "local"], default="hook")
+    parser.add_argument("--share", choices=["gradients", "updates", "local"], default="gradients")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--sync-every", type=int, default=5, help="--share local: H")
     parser.add_argument(
@@ -94,9 +94,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--fragments", type=int, default=1,
                         help="--share local: parts of the model synced in turn")  # fmt: skip
-    parser.add_argument("--compact", action="store_true",
+    parser.add_argument("--compact", action=argparse.BooleanOptionalAction, default=True,
                         help="--share local: sparse messages in their compact form")  # fmt: skip
-    parser.add_argument("--lr", type=float, help="default: 0.3 (SGD, hook), 3e-3 (AdamW)")
+    parser.add_argument("--lr", type=float, help="default: 0.3 (SGD, gradients), 3e-3 (AdamW)")
     parser.add_argument("--timeout", type=float, default=300.0,
                         help="seconds a rank waits for a hung one")  # fmt: skip
     parser.add_argument("--save-steps", type=int, help="save a checkpoint every this many steps")
@@ -109,7 +109,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, help="write the final flat parameters here")
     args = parser.parse_args(argv)
     if args.lr is None:
-        args.lr = 0.3 if args.share == "hook" else 3e-3
+        args.lr = 0.3 if args.share == "gradients" else 3e-3
     if args.check_resume:
         args.save_steps = args.check_resume
     return args

@@ -9,7 +9,7 @@ An ordinary LightningModule; the one change is ``strategy=GradshareDDPStrategy(.
 ``--share local``: no all-reduce at all, each rank steps its own replica and ``LocalSteps``
 syncs the replicas every ``--sync-every`` steps with sparse messages; ``--overlap τ``
 runs each sync's exchange behind the next τ steps, ``--fragments P`` syncs the model a P-th at
-a time, ``--compact`` sends its sparse messages in a byte per entry). The learning rate
+a time, ``--no-compact`` sends its sparse messages in DL4J's format). The learning rate
 warms up over the first :data:`WARMUP_STEPS` steps, set in ``optimizer_step`` as Lightning's
 docs show. Run as
 a plain script, Lightning's ``ddp`` launcher starts the script again once per extra device
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--fragments", type=int, default=1,
                         help="--share local: parts of the model synced in turn")  # fmt: skip
-    parser.add_argument("--compact", action="store_true",
+    parser.add_argument("--compact", action=argparse.BooleanOptionalAction, default=True,
                         help="--share local: sparse messages in their compact form")  # fmt: skip
     parser.add_argument("--checkpoint-dir", type=Path, help="save a checkpoint every epoch")
     parser.add_argument("--resume", type=Path, help="a checkpoint to resume the fit from")

@@ -3,10 +3,10 @@ process spends seconds of CPU importing transformers, more than a run of the exa
 so ``tests/test_hf_trainer.py`` runs the four paths, and the faults below, in one launch
 rather than one each.
 
-1. For ``--share`` hook, updates, local, and local with ``--overlap 2 --compact`` in turn: 10
-   steps straight through, saving at step 5, then resumed from ``checkpoint-5`` with a fresh
-   model and Trainer (``--check-resume 5``), into ``TMP/{path}/out``, the parameters into
-   ``TMP/{path}/straight.pt``.
+1. For ``--share`` gradients, updates, local, and local with ``--overlap 2 --no-compact`` in
+   turn: 10 steps straight through, saving at step 5, then resumed from ``checkpoint-5`` with
+   a fresh model and Trainer (``--check-resume 5``), into ``TMP/{path}/out``, the parameters
+   into ``TMP/{path}/straight.pt``.
 2. ``reused``: a copy of the local path's ``out`` saved into again by another run (another
    learning rate) whose ranks stop after Trainer wrote ``checkpoint-5``, before the callback's
    ``on_save`` (it raises there); then a resume from that ``checkpoint-5``.
@@ -46,10 +46,10 @@ import hf_trainer
 from gradshare.integrations import GradshareCallback
 
 PATHS = {
-    "hook": ["--share", "hook"],
+    "gradients": ["--share", "gradients"],
     "updates": ["--share", "updates"],
     "local": ["--share", "local"],
-    "local-overlap": ["--share", "local", "--overlap", "2", "--compact"],
+    "local-overlap": ["--share", "local", "--overlap", "2", "--no-compact"],
 }
 """Each path's options, by name (local with overlap: checkpoint-5 holds a round in flight;
 every fragment at once, so the replicas are bit-identical at the end, as the example checks)."""

@@ -12,8 +12,8 @@ torchrun. In order, each ``--steps-per-epoch 3 --epochs 2``:
    makes it); the same for ``--share updates``.
 2. ``--share local --sync-every 2`` straight through, then resumed from ``step=3.ckpt`` (saved
    between two syncs: the replicas differ, each rank's own in its rank file); the same with
-   ``--overlap 1 --fragments 2 --compact`` (the checkpoint saved with a fragment's round in
-   flight; compact messages).
+   ``--overlap 1 --fragments 2 --no-compact`` (the checkpoint saved with a fragment's round in
+   flight; DL4J's messages).
 3. On a copy of the gradients fit's checkpoint: rank 1's file left from the save before
    (refused), then the checkpoint as plain ``ddp`` saves it, without rank files (refused, then
    resumed with ``--resume-without-rank-files``).
@@ -128,7 +128,7 @@ def main() -> None:
         "gradients": ["--share", "gradients"],
         "updates": ["--share", "updates"],
         "local": local,
-        "local-overlap": [*local, "--overlap", "1", "--fragments", "2", "--compact"],
+        "local-overlap": [*local, "--overlap", "1", "--fragments", "2", "--no-compact"],
     }
     for name, chosen in fits.items():
         ckpt = tmp / name / "ckpt"

@@ -70,7 +70,7 @@ def fits(tmp_path_factory: pytest.TempPathFactory) -> Fits:
     return Fits(tmp, run_script(ROOT / "tests" / "hf_fits.py", tmp, launcher=TORCHRUN))
 
 
-@pytest.mark.parametrize("share", ["hook", "updates", "local", "local-overlap"])
+@pytest.mark.parametrize("share", ["gradients", "updates", "local", "local-overlap"])
 def test_replicas_agree_and_the_resume_holds(share: str, fits: Fits) -> None:
     out = fits.said(share)
     assert "resumed from step 5: the same parameters, bit for bit" in out, out

@@ -1022,8 +1022,10 @@ def _rank_resume(
     else:
         state = torch.load(path, weights_only=True)
         saved = state["sync"]
-        wrong = {**saved, "settings": {**saved["settings"], "world_size": 3}}
-        with pytest.raises(ValueError, match="`world_size` 3 saved, 2 here"):
+        wrong = {**saved, "world_size": 3}
+        with pytest.raises(
+            ValueError, match=f"saved by rank {rank} of 3, this is rank {rank} of 2"
+        ):
             sync.load_state_dict(wrong)
         wrong = {**saved, "global": 7}  # junk where a list belongs: a ValueError, not len()'s
         with pytest.raises(ValueError, match="`encoders` and `global` must be lists"):

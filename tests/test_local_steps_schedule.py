@@ -15,9 +15,7 @@ from gradshare.distributed.local_steps.schedule import Schedule
 class TestSchedule:
     def test_one_fragment_syncs_every_h_steps(self) -> None:
         s = Schedule([3, 4, 5], sync_every=4, fragments=1, tau=0)
-        assert [(x.first, x.last, x.start, x.stop, x.offset) for x in s.spans] == [
-            (0, 3, 0, 12, 0)
-        ]
+        assert [(x.first, x.last, x.start, x.stop, x.offset) for x in s.spans] == [(0, 3, 0, 12, 0)]
         assert [step for step in range(1, 13) if s.due(step)] == [4, 8, 12]
         assert not any(s.merges(step, 0) for step in range(1, 13))  # τ 0: no rounds in flight
 

@@ -22,6 +22,7 @@ from gradshare import (
     EncodingOptions,
     FixedThreshold,
     LocalSteps,
+    LocalStepsOptions,
     ParallelWrapper,
     ResidualClipping,
     SharedOptimizer,
@@ -140,6 +141,13 @@ def _rank_front_ends(rank: int, world: int) -> dict[str, str]:
             _check_encoder(enc)
         assert sync.timeout == SET["timeout"] and sync._protocol.divisor == 1
         out["local"] = repr(sync.options)
+    fields = {**LOCAL, "offload": False, "fragments": 2}  # a CPU model of 2 tensors
+    with LocalSteps(local_model, inner, **fields) as sync:  # every LocalStepsOptions field
+        assert sync.local == LocalStepsOptions(**fields)
+        assert (sync.sync_every, sync.overlap, sync.fragments, sync.compact) == (6, 2, 2, False)
+        assert isinstance(sync.outer, torch.optim.SGD) and sync.outer.param_groups[0]["lr"] == 1
+    with LocalSteps(local_model, inner, local=LocalStepsOptions(**fields)) as sync:
+        assert sync.local.decay == 0.9
     dense = SharedOptimizer(torch.optim.SGD(torch.nn.Linear(3, 2).parameters(), lr=0.1),
                             dense=True)  # fmt: skip
     assert dense.encoder is None
@@ -168,3 +176,111 @@ def test_the_lightning_strategy_takes_every_field() -> None:
     assert GradshareDDPStrategy(dense=True).options.dense
     with pytest.raises(ValueError, match="`magnitude`"):
         GradshareDDPStrategy(magnitude="max")
+
+
+# ---------------------------------------------------------------------- LocalStepsOptions
+
+OUTER = lambda p: torch.optim.SGD(p, lr=1.0)
+LOCAL = {
+    "sync_every": 6,
+    "density": 0.02,
+    "decay": 0.9,
+    "outer_optimizer": OUTER,
+    "offload": True,
+    "overlap": 2,
+    "fragments": 3,
+    "compact": False,
+    "broadcast_buffers": False,
+}
+"""A value other than the default for every field of LocalStepsOptions."""
+
+
+def test_the_local_steps_fields_are_the_documented_ones() -> None:
+    """One declaration: ``sync_every`` was required in LocalSteps and 10 in the integrations,
+    ``compact`` off everywhere; every field has a docstring under it."""
+    from gradshare import LocalStepsOptions
+    from gradshare.distributed.local_steps import options as local_module
+    from gradshare.distributed.local_steps.options import FIELDS as LOCAL_FIELDS
+
+    assert set(LOCAL) == set(LOCAL_FIELDS)
+    defaults = LocalStepsOptions()
+    assert (defaults.sync_every, defaults.density, defaults.decay, defaults.compact) == (
+        10, 0.04, 0.95, True)  # fmt: skip
+    source = Path(local_module.__file__).read_text()
+    body = next(
+        n for n in ast.parse(source).body
+        if isinstance(n, ast.ClassDef) and n.name == "LocalStepsOptions"
+    ).body  # fmt: skip
+    documented = {
+        a.target.id
+        for a, b in itertools.pairwise(body)
+        if isinstance(a, ast.AnnAssign) and isinstance(a.target, ast.Name)
+        and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant)
+    }  # fmt: skip
+    assert documented == set(LOCAL_FIELDS)
+
+
+@pytest.mark.parametrize(
+    ("field", "bad", "error"),
+    [
+        ("sync_every", 0, ValueError),
+        ("density", 1.5, ValueError),
+        ("decay", -0.1, ValueError),
+        ("outer_optimizer", 1.0, TypeError),
+        ("offload", 1, TypeError),
+        ("overlap", "yes", TypeError),
+        ("fragments", 20, ValueError),
+        ("compact", "no", TypeError),
+        ("broadcast_buffers", None, TypeError),
+    ],
+)
+def test_a_bad_local_steps_value_is_refused_naming_its_field(
+    field: str, bad: Any, error: type
+) -> None:
+    from gradshare import LocalStepsOptions
+
+    with pytest.raises(error, match=f"`{field}`"):
+        LocalStepsOptions(**{field: bad})
+
+
+def test_the_integrations_take_every_local_steps_field() -> None:
+    """The Lightning strategy and the Trainer callback declared the LocalSteps knobs again,
+    and drifted (no ``offload``, ``compact`` off, ``sync_every`` 10 where LocalSteps had
+    none); both now take the dataclass or its fields, validated there."""
+    pytest.importorskip("lightning")
+    pytest.importorskip("transformers")
+    from gradshare import LocalStepsOptions
+    from gradshare.integrations import GradshareCallback, GradshareDDPStrategy
+
+    want = LocalStepsOptions(**LOCAL)
+    strategy = GradshareDDPStrategy(share="local", **LOCAL)
+    callback = GradshareCallback(share="local", **LOCAL)
+    assert strategy.local == want == callback.local
+    assert GradshareDDPStrategy(local=want).local is want
+    assert GradshareCallback(local=want).local is want
+    for front in (GradshareDDPStrategy, GradshareCallback):
+        with pytest.raises(ValueError, match="`density`"):
+            front(share="local", density=0.5 + 1)
+        with pytest.raises(TypeError, match="in one place"):
+            front(local=want, decay=0.5)
+    with pytest.warns(DeprecationWarning, match="'gradients' in every integration"):
+        assert GradshareCallback(share="hook").share == "gradients"
+    with pytest.warns(DeprecationWarning):
+        assert GradshareDDPStrategy(share="hook").share == "gradients"
+    with pytest.raises(ValueError, match="`share`"):
+        GradshareCallback(share="grads")  # type: ignore[arg-type]
+
+
+def test_gradshare_train_takes_the_local_steps_fields() -> None:
+    """``gradshare train`` validates its local-steps options as LocalStepsOptions does."""
+    from gradshare.app.train import TrainConfig
+
+    config = TrainConfig(local_steps=6, density=0.02, decay=0.9, overlap=2, fragments=3,
+                         compact=False)  # fmt: skip
+    local = config.local_options()
+    assert (local.sync_every, local.density, local.decay, local.overlap, local.fragments,
+            local.compact) == (6, 0.02, 0.9, 2, 3, False)  # fmt: skip
+    with pytest.raises(ValueError, match="--overlap: Expect `overlap`"):
+        TrainConfig(local_steps=2, overlap=3)
+    with pytest.raises(ValueError, match="--density: Expect `density` under 1/16"):
+        TrainConfig(density=0.1)

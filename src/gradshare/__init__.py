@@ -43,7 +43,7 @@ from gradshare.distributed.ddp_hook import (
     threshold_hook,
 )
 from gradshare.distributed.exchange import ExchangeError, exchange_messages
-from gradshare.distributed.local_steps import LocalSteps
+from gradshare.distributed.local_steps import LocalSteps, LocalStepsOptions
 from gradshare.distributed.shared_optimizer import SharedOptimizer
 from gradshare.encoding.encoder import Encoder, EncodeStats
 from gradshare.encoding.options import EncodingOptions
@@ -111,6 +111,7 @@ __all__ = [
     # across processes: torch.distributed
     "ExchangeError",
     "LocalSteps",
+    "LocalStepsOptions",
     "SharedOptimizer",
     "exchange_messages",
     # for DDP users

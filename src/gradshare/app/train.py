@@ -11,6 +11,7 @@ and the plot.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import multiprocessing
 import os
@@ -27,8 +28,6 @@ from torch import nn
 from torch.nn import functional as F
 
 from gradshare.app.datasets import (
-    DIGITS_CLASSES,
-    DIGITS_FEATURES,
     Split,
     digits,
     digits_train_size,
@@ -37,6 +36,11 @@ from gradshare.app.datasets import (
 )
 from gradshare.codec import NonFiniteUpdate, float32_threshold
 from gradshare.distributed.hosts import rendezvous_port
+from gradshare.distributed.local_steps.options import (
+    DEFAULT_DECAY,
+    DEFAULT_DENSITY,
+    LocalStepsOptions,
+)
 from gradshare.encoding.residual import ResidualClipping, ResidualPostProcessor
 from gradshare.encoding.threshold import (
     AdaptiveThreshold,
@@ -147,12 +151,17 @@ class TrainConfig:
     local_steps: int = 5
     """Inner steps between the syncs of the local-steps run (0: no such run).
 
-    At most the run's steps: a run that never syncs sends nothing."""
-    density: float = 0.04
-    """Fraction of each parameter a local-steps sync sends, in (0, 1/16), or 1.0 (dense).
-
-    At least 2 entries of the largest parameter: fewer send nothing (DL4J's rule)."""
-    compact: bool = False
+    LocalSteps' ``sync_every``; at most the run's steps: a run that never syncs sends
+    nothing."""
+    density: float = DEFAULT_DENSITY
+    """Fraction of each parameter a local-steps sync sends, in (0, 1/16), or 1.0 (dense)."""
+    decay: float = DEFAULT_DECAY
+    """β of the local-steps run's residuals, in [0, 1]."""
+    overlap: int = 0
+    """Steps each local-steps exchange runs behind, up to --local-steps (0: none)."""
+    fragments: int = 1
+    """Parts of the model the local-steps run syncs in turn."""
+    compact: bool = True
     """Send the local-steps syncs' sparse pieces in their compact form (a byte per entry)."""
     runs: tuple[str, ...] = ("dense", "gradshare", "local-steps")
     """Which runs, in order (not an option: the command runs all three)."""
@@ -161,12 +170,7 @@ class TrainConfig:
         local = self.local_steps
         if isinstance(local, bool) or not isinstance(local, int) or local < 0:
             raise ValueError(f"--local-steps must be an integer >= 0, got {local!r}")
-        d = self.density
-        if not (isinstance(d, (int, float)) and (0 < d < 1 / 16 or d == 1.0)):
-            raise ValueError(
-                f"--density must be in (0, 0.0625) or exactly 1.0, got {d!r}: it is the "
-                "fraction of each parameter a sync sends (1.0: dense syncs)"
-            )
+        self.local_options()
         for name in ("workers", "epochs", "batch_size", "hidden"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -205,6 +209,21 @@ class TrainConfig:
         if device.type not in ("cpu", "cuda"):
             raise ValueError(f"--device must be cpu or cuda, got {self.device!r}")
 
+    def local_options(self) -> LocalStepsOptions:
+        """The local-steps run's :class:`~gradshare.LocalStepsOptions`, validated there (a
+        ValueError names the option)."""
+        fields = ("density", "decay", "overlap", "fragments", "compact")
+        try:
+            local = LocalStepsOptions(
+                sync_every=max(self.local_steps, 1), **{k: getattr(self, k) for k in fields}
+            )
+            local.check(None, self.density == 1.0, 4)  # the MLP's 4 tensors
+        except (TypeError, ValueError) as e:
+            named = next((k for k in ("sync_every", *fields) if f"`{k}`" in str(e)), "")
+            flag = "--local-steps" if named == "sync_every" else f"--{named}"
+            raise ValueError(f"{flag}: {e}") from None
+        return local
+
     def _check_something_is_sent(self) -> None:
         """Refuse settings under which a run of processes takes no step, or the local-steps
         run never syncs or sends no entry: it would train alone and report 0 bytes sent."""
@@ -226,17 +245,6 @@ class TrainConfig:
                 f"--local-steps {self.local_steps} is more than the {steps} steps of the "
                 f"local-steps run ({self.epochs} epochs of {rounds} rounds): it would never "
                 f"sync, and send nothing; expect --local-steps from 1 to {steps} (0: no such run)"
-            )
-        largest = max(DIGITS_FEATURES * self.hidden, self.hidden * DIGITS_CLASSES)
-        if self.local_steps and self.density < 1 and self.density * largest < 2:
-            least = 2 / largest
-            scale = 10.0 ** (2 - math.floor(math.log10(least)))  # 3 digits, rounded up
-            raise ValueError(
-                f"--density {self.density:g} aims at {self.density * largest:.3g} entries of "
-                f"the largest parameter ({largest:,} elements) per sync, fewer than the 2 a "
-                "message needs (DL4J's rule: fewer than 2 send nothing), so the local-steps "
-                f"run would send little or nothing; expect --density "
-                f"{math.ceil(least * scale) / scale:g} or more (or 1.0: dense syncs)"
             )
 
 
@@ -427,10 +435,10 @@ def _train_local(
     # summed like the other runs' updates (DL4J's sum), not averaged, so OUTER_LR, not the
     # default 2.8 (tuned on averaged AdamW syncs; summed over 4 workers it gave 0.67 accuracy
     # against 0.94 dense)
-    sync = LocalSteps(
-        model, inner, config.local_steps, density=config.density, reduction="sum",
-        compact=config.compact, outer_optimizer=lambda p: torch.optim.SGD(p, lr=OUTER_LR),
-    )  # fmt: skip
+    local = dataclasses.replace(
+        config.local_options(), outer_optimizer=lambda p: torch.optim.SGD(p, lr=OUTER_LR)
+    )
+    sync = LocalSteps(model, inner, local=local, reduction="sum")
     with sync:
         for epoch in range(config.epochs):
             for x, y in _rank_batches(config, split, epoch, rank, world):

@@ -25,6 +25,7 @@ import torch.distributed as dist
 # abort the process ("terminate called without an active exception"). Imported here, before
 # any group exists, those defaults are None.
 import torch.distributed.nn.functional
+from torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks import noop_hook
 
 from gradshare import codec
 from gradshare.codec.flat import views
@@ -108,17 +109,6 @@ def _check_ddp(ddp: Any, optimizer: torch.optim.Optimizer) -> None:
             f"{len(missing)} are not in it (first: {missing[0]!r}): with `ddp=` their "
             "gradients are no longer all-reduced, so give the optimizer all of them."
         )
-
-
-def _local_gradient_hook(state, bucket):
-    """A DDP communication hook that communicates nothing: each bucket keeps this rank's
-    own gradient (:class:`SharedOptimizer` shares the updates made from it).
-
-    (Unannotated: DDP compares the annotation with ``dist.GradBucket``, and this module's
-    postponed annotations would be strings.)"""
-    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-    future.set_result(bucket.buffer())
-    return future
 
 
 class SharedOptimizer(OptimizerWrapper):
@@ -257,7 +247,7 @@ class SharedOptimizer(OptimizerWrapper):
                       f"Divide the learning rate by {world}, or pass reduction='mean' (pass "
                       "reduction='sum' to keep the sum and silence this).")  # fmt: skip
         if ddp is not None:
-            ddp.register_comm_hook(None, _local_gradient_hook)
+            ddp.register_comm_hook(None, noop_hook)  # every gradient stays local
 
     # ------------------------------------------------------------------ set-up
 

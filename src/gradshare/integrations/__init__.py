@@ -9,7 +9,7 @@ own file beside the framework's checkpoint and reads it back on resume:
   on the DDP model it builds (on CPU too, where ``DDPStrategy(ddp_comm_hook=...)`` registers
   nothing), or with ``share="updates"`` wraps the optimizer in ``SharedOptimizer(opt,
   ddp=...)``; it writes ``<checkpoint>.gradshare-rank{r}.pt`` beside each checkpoint.
-- Hugging Face Trainer: ``GradshareCallback(share="hook"|"updates"|"local").attach(trainer)``
+- Hugging Face Trainer: ``GradshareCallback(share="gradients"|"updates"|"local").attach(trainer)``
   registers the hook, wraps Trainer's optimizer in ``SharedOptimizer`` or runs ``LocalSteps``
   on the DDP model Trainer builds; it writes ``checkpoint-N/gradshare-rank{r}.pt`` at every
   save and reads back those of the folder Trainer resumed from, and adds gradshare's metrics

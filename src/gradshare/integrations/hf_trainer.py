@@ -10,7 +10,7 @@ import os
 from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -21,10 +21,13 @@ from transformers.trainer_utils import get_last_checkpoint
 from gradshare._checks import to_seconds
 from gradshare.distributed.ddp_hook import ThresholdHookState, register_threshold_hook
 from gradshare.distributed.exchange import collective
-from gradshare.distributed.local_steps import DEFAULT_DECAY, DEFAULT_DENSITY, LocalSteps
+from gradshare.distributed.local_steps import LocalSteps, LocalStepsOptions
+from gradshare.distributed.local_steps.options import FIELDS as LOCAL_FIELDS
+from gradshare.distributed.local_steps.options import local_steps_options
 from gradshare.distributed.metrics import warn_if_adaptive
-from gradshare.distributed.shared_optimizer import SharedOptimizer, _local_gradient_hook
+from gradshare.distributed.shared_optimizer import SharedOptimizer
 from gradshare.encoding.options import EncodingOptions, encoding_options
+from gradshare.integrations.modes import Share, local_gradient_hook, share_mode
 from gradshare.integrations.rank_files import (
     SaveToken,
     accelerate_rank_file,
@@ -36,8 +39,6 @@ from gradshare.integrations.rank_files import (
 __all__ = ["GradshareCallback"]
 
 logger = logging.getLogger(__name__)
-
-Share = Literal["hook", "updates", "local"]
 
 _TOKEN_KEY = "gradshare"
 """Where the callback keeps the next save's token id in ``TrainerState.stateful_callbacks``,
@@ -58,7 +59,7 @@ class GradshareCallback(TrainerCallback):
     When training begins (``on_train_begin``: the DDP model, optimizer and scheduler are
     built, and a resumed checkpoint's model and optimizer loaded), per ``share``:
 
-    - ``"hook"``: :func:`gradshare.register_threshold_hook` on the DDP model: gradients are
+    - ``"gradients"``: :func:`gradshare.register_threshold_hook` on the DDP model: gradients are
       threshold-encoded; the optimizer is Trainer's, unchanged (best with SGD: with Adam or
       AdamW share updates instead, a warning says so);
     - ``"updates"``: Trainer's optimizer (AdamW by default) is wrapped in
@@ -106,9 +107,11 @@ class GradshareCallback(TrainerCallback):
     puts itself first among Trainer's callbacks so that reporters see them too.
 
     Args:
-        share: ``"hook"``, ``"updates"`` or ``"local"``.
-        sync_every, density, decay, outer_optimizer, overlap, fragments, compact:
-            :class:`~gradshare.LocalSteps`' (``share="local"``).
+        share: ``"gradients"``, ``"updates"`` or ``"local"`` (``"hook"``: a deprecated
+            alias of ``"gradients"``).
+        local: :class:`~gradshare.LocalStepsOptions` (``share="local"``), or give its fields
+            as keywords (``sync_every``, ``density``, ``decay``, ``outer_optimizer``,
+            ``offload``, ``overlap``, ``fragments``, ``compact``, ``broadcast_buffers``).
         start_iter, momentum: the hook's (:class:`~gradshare.ThresholdHookState`).
         resume_from: the folder holding ``checkpoint-N`` of a resumed run, for the rare case
             that the callback cannot learn it (``train`` reached otherwise than through
@@ -123,28 +126,19 @@ class GradshareCallback(TrainerCallback):
 
     def __init__(
         self,
-        share: Share = "hook",
+        share: Share = "gradients",
         *,
-        sync_every: int = 10,
-        density: float = DEFAULT_DENSITY,
-        decay: float = DEFAULT_DECAY,
-        outer_optimizer: Any = None,
-        overlap: bool | int = False,
-        fragments: int = 1,
-        compact: bool = False,
+        local: LocalStepsOptions | None = None,
         start_iter: int = 1,
         momentum: float = 0.0,
         resume_from: str | Path | None = None,
         options: EncodingOptions | None = None,
-        **encoding: Any,
+        **fields: Any,
     ) -> None:
-        if share not in ("hook", "updates", "local"):
-            raise ValueError(f'Expect `share` "hook", "updates" or "local", got {share!r}.')
-        self.share = share
-        self.options = encoding_options(options, encoding, "GradshareCallback")
-        self._local = {"sync_every": sync_every, "density": density, "decay": decay,
-                       "outer_optimizer": outer_optimizer, "overlap": overlap,
-                       "fragments": fragments, "compact": compact}  # fmt: skip
+        self.share = share_mode(share, "GradshareCallback")
+        own = {k: fields.pop(k) for k in LOCAL_FIELDS if k in fields}
+        self.local = local_steps_options(local, own, "GradshareCallback")
+        self.options = encoding_options(options, fields, "GradshareCallback")
         self._hook: dict[str, Any] = {"start_iter": start_iter, "momentum": momentum}
         self.resume_from = None if resume_from is None else Path(resume_from)
         self.trainer: Any = None
@@ -207,17 +201,18 @@ class GradshareCallback(TrainerCallback):
     def _share(self, trainer: Any, ddp: DistributedDataParallel) -> Any:
         accelerated = trainer.optimizer
         inner = getattr(accelerated, "optimizer", accelerated)
-        if self.share == "hook":
-            warn_if_adaptive(inner, "GradshareCallback(share='hook')")
+        if self.share == "gradients":
+            warn_if_adaptive(inner, "GradshareCallback(share='gradients')")
             return register_threshold_hook(ddp, options=self.options, **self._hook)
         if self.share == "updates":
             shared = SharedOptimizer(inner, ddp=ddp, options=self.options)
             accelerated.optimizer = shared  # Trainer steps and saves through it
             return shared
-        ddp.register_comm_hook(None, _local_gradient_hook)
+        ddp.register_comm_hook(None, local_gradient_hook)
         scaler = getattr(trainer.accelerator, "scaler", None)  # fp16: skipped steps still sync
-        return LocalSteps(trainer.model, inner, grad_scaler=scaler, options=self.options,
-                          **self._local)  # fmt: skip
+        return LocalSteps(
+            trainer.model, inner, local=self.local, grad_scaler=scaler, options=self.options
+        )
 
     def _group_timeout(self, args: Any) -> timedelta:
         """``ddp_timeout`` when changed from TrainingArguments' default, else gradshare's."""

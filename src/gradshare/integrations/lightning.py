@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from lightning.pytorch.strategies import DDPStrategy
@@ -13,10 +13,13 @@ from torch.nn.parallel import DistributedDataParallel
 
 from gradshare._checks import to_seconds
 from gradshare.distributed.ddp_hook import ThresholdHookState, register_threshold_hook
-from gradshare.distributed.local_steps import DEFAULT_DECAY, DEFAULT_DENSITY, LocalSteps
+from gradshare.distributed.local_steps import LocalSteps, LocalStepsOptions
+from gradshare.distributed.local_steps.options import FIELDS as LOCAL_FIELDS
+from gradshare.distributed.local_steps.options import local_steps_options
 from gradshare.distributed.metrics import warn_if_adaptive
-from gradshare.distributed.shared_optimizer import SharedOptimizer, _local_gradient_hook
+from gradshare.distributed.shared_optimizer import SharedOptimizer
 from gradshare.encoding.options import FIELDS, EncodingOptions, encoding_options
+from gradshare.integrations.modes import Share, local_gradient_hook, share_mode
 from gradshare.integrations.rank_files import (
     SaveToken,
     lightning_rank_file,
@@ -69,9 +72,10 @@ class GradshareDDPStrategy(DDPStrategy):
 
     Args:
         share: ``"gradients"`` (the hook), ``"updates"`` (SharedOptimizer) or ``"local"``
-            (LocalSteps).
-        sync_every, density, decay, outer_optimizer, overlap, fragments, compact:
-            :class:`~gradshare.LocalSteps`' (``share="local"``).
+            (LocalSteps); ``"hook"`` is a deprecated alias of ``"gradients"``.
+        local: :class:`~gradshare.LocalStepsOptions` (``share="local"``), or give its fields
+            as keywords (``sync_every``, ``density``, ``decay``, ``outer_optimizer``,
+            ``offload``, ``overlap``, ``fragments``, ``compact``, ``broadcast_buffers``).
         start_iter, momentum: the hook's (:class:`~gradshare.ThresholdHookState`).
         options: the encoding settings (:class:`~gradshare.EncodingOptions`), or give its
             fields as keywords (``threshold``, ``post_processor``, ``boundary``,
@@ -100,14 +104,8 @@ class GradshareDDPStrategy(DDPStrategy):
     def __init__(
         self,
         *,
-        share: Literal["gradients", "updates", "local"] = "gradients",
-        sync_every: int = 10,
-        density: float = DEFAULT_DENSITY,
-        decay: float = DEFAULT_DECAY,
-        outer_optimizer: Any = None,
-        overlap: bool | int = False,
-        fragments: int = 1,
-        compact: bool = False,
+        share: Share = "gradients",
+        local: LocalStepsOptions | None = None,
         start_iter: int = 1,
         momentum: float = 0.0,
         gradshare_timeout: float | timedelta | None = None,
@@ -119,8 +117,9 @@ class GradshareDDPStrategy(DDPStrategy):
         if gradshare_timeout is not None:
             encoding["timeout"] = gradshare_timeout
         self.options = encoding_options(options, encoding, "GradshareDDPStrategy")
-        if share not in ("gradients", "updates", "local"):
-            raise ValueError(f'Expect `share` "gradients", "updates" or "local", got {share!r}.')
+        fields = {k: kwargs.pop(k) for k in LOCAL_FIELDS if k in kwargs}
+        self.local = local_steps_options(local, fields, "GradshareDDPStrategy")
+        mode = share_mode(share, "GradshareDDPStrategy")
         if kwargs.get("ddp_comm_hook") is not None or kwargs.get("ddp_comm_state") is not None:
             raise ValueError(
                 "GradshareDDPStrategy registers gradshare's hook itself: leave out "
@@ -129,18 +128,9 @@ class GradshareDDPStrategy(DDPStrategy):
         if kwargs.get("timeout") is None:
             kwargs["timeout"] = timedelta(seconds=to_seconds(gradshare_timeout))
         super().__init__(**kwargs)
-        self.share = share
+        self.share = mode
         self.resume_without_rank_files = resume_without_rank_files
         self._hook_settings: dict[str, Any] = {"start_iter": start_iter, "momentum": momentum}
-        self._local_settings: dict[str, Any] = {
-            "sync_every": sync_every,
-            "density": density,
-            "decay": decay,
-            "outer_optimizer": outer_optimizer,
-            "overlap": overlap,
-            "fragments": fragments,
-            "compact": compact,
-        }
         self.hook_state: ThresholdHookState | None = None
         self.local_steps: LocalSteps | None = None
         self._saved: dict[str, Any] | None = None
@@ -159,7 +149,7 @@ class GradshareDDPStrategy(DDPStrategy):
                 self.model, options=self.options, **self._hook_settings
             )
         elif self.share == "local":
-            self.model.register_comm_hook(None, _local_gradient_hook)
+            self.model.register_comm_hook(None, local_gradient_hook)
         if self._saved is not None and self.hook_state is not None:
             self.hook_state.load_state_dict(self._saved["hook"])
 
@@ -179,9 +169,13 @@ class GradshareDDPStrategy(DDPStrategy):
                 self.local_steps.close()
             assert self.lightning_module is not None
             scaler = getattr(self.precision_plugin, "scaler", None)  # "16-mixed": skipped steps
-            self.local_steps = LocalSteps(self.lightning_module, self.optimizers[0],
-                                          grad_scaler=scaler, options=self.options,
-                                          **self._local_settings)  # fmt: skip
+            self.local_steps = LocalSteps(
+                self.lightning_module,
+                self.optimizers[0],
+                local=self.local,
+                grad_scaler=scaler,
+                options=self.options,
+            )
         if self.share == "updates":
             assert isinstance(self.model, DistributedDataParallel)
             shared = SharedOptimizer(self.optimizers[0], ddp=self.model, options=self.options)
