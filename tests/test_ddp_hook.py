@@ -17,6 +17,7 @@ from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradshare.distributed.ddp_hook.hook as hook_module
+import gradshare.distributed.exchange as exchange_module
 from gradshare import (
     AdaptiveThreshold,
     Encoder,
@@ -317,19 +318,19 @@ def _rank_own_conservation(rank: int, world: int, steps: int) -> float:
     own = {n: torch.zeros(p.numel(), dtype=torch.float64) for n, p in local.named_parameters()}
     fed = {n: torch.zeros(p.numel(), dtype=torch.float64) for n, p in local.named_parameters()}
     names = {id(p): n.removeprefix("module.") for n, p in model.named_parameters()}
-    split = hook_module._split
+    split = exchange_module.multipart.split_message
 
-    def spy(message, params, name):  # type: ignore[no-untyped-def]
-        pieces = split(message, params, name)
+    def spy(message, sizes, name, labels):  # type: ignore[no-untyped-def]
+        pieces = split(message, sizes, name, labels)
         if name == f"rank {rank}":
             by_place = {place: key for key, place in state._runtime.keys.items()}
-            for (place, n), piece in zip(params, pieces, strict=True):
+            for place, n, piece in zip(labels, sizes, pieces, strict=True):
                 if piece is not None:
                     decoded = decode_(piece, torch.zeros(n, dtype=torch.float64))
                     own[names[by_place[place]]] += decoded
         return pieces
 
-    hook_module._split = spy  # type: ignore[assignment]
+    exchange_module.multipart.split_message = spy  # type: ignore[assignment]
     for x, y in _batches(rank, world, steps):
         model.zero_grad()
         F.cross_entropy(model(x), y).backward()
@@ -337,7 +338,7 @@ def _rank_own_conservation(rank: int, world: int, steps: int) -> float:
         F.cross_entropy(local(x), y).backward()
         for n, p in local.named_parameters():
             fed[n] += p.grad.reshape(-1).double()
-    hook_module._split = split  # type: ignore[assignment]
+    exchange_module.multipart.split_message = split  # type: ignore[assignment]
     gap = 0.0
     for p in model.parameters():
         residual = state.encoders[state._runtime.keys[id(p)]].residual.double()  # type: ignore[union-attr]
@@ -497,8 +498,13 @@ class TestSplit:
         empty = multipart.empty_message(100, 1.0, torch.device("cpu"))
         return torch.cat([sparse, bitmap, empty])
 
+    @classmethod
+    def split(cls, message: torch.Tensor) -> list:
+        sizes, places = [n for _, n in cls.params], [p for p, _ in cls.params]
+        return multipart.split_message(message, sizes, "rank 1", places)
+
     def test_pieces_in_order_empty_one_as_none(self) -> None:
-        pieces = hook_module._split(self.message(), self.params, "rank 1")
+        pieces = self.split(self.message())
         assert pieces[0] is not None and pieces[0][3] == 0 and pieces[0].numel() == 4 + 3
         assert pieces[1] is not None and pieces[1][3] == 1 and pieces[2] is None
 
@@ -513,7 +519,7 @@ class TestSplit:
     )
     def test_faults_name_the_rank_and_parameter(self, cut, match) -> None:  # type: ignore[no-untyped-def]
         with pytest.raises(MessageError, match=match) as info:
-            hook_module._split(cut(self.message()), self.params, "rank 1")
+            self.split(cut(self.message()))
         assert "rank 1" in str(info.value)
 
 

@@ -136,7 +136,6 @@ def test_command_line_is_built_from_train_config() -> None:
         (["--seed", "18446744073709551616"], "--seed"),
         (["--seed", "-1"], "--seed"),
         (["--local-steps", "100000"], "--local-steps 100000 is more than the 80 steps"),
-        (["--density", "1e-5"], "--density 1e-05 aims at 0.164 entries"),
         (["--mode", "distributed", "--batch-size", "450"], "3 minibatches, fewer than the 4"),
         (["--lr", "1e30", "--workers", "1", "--epochs", "1"], "the dense run diverged"),
         (["--out", "/etc/hostname/run"], "cannot write to --out"),
@@ -156,8 +155,9 @@ def test_bad_option_exits_2_with_one_line(
 
 class TestSomethingIsSent:
     """A setting under which a run sends nothing is refused before training: `--local-steps
-    100000` or `--density 1e-5` exited 0 after a full run with 0 bytes sent, chance accuracy
-    and a compression of "infx"."""
+    100000` exited 0 after a full run with 0 bytes sent, chance accuracy and a compression
+    of "infx". (`--density 1e-5` sent nothing too; every tensor now sends 2 entries a sync
+    at least, QuantileThreshold's floor.)"""
 
     def test_local_steps_up_to_the_runs_steps(self) -> None:
         """8 epochs of 43 minibatches (1348 images, 32 each) in rounds of 4: 80 steps."""
@@ -179,19 +179,6 @@ class TestSomethingIsSent:
         with pytest.raises(ValueError, match="3 minibatches, fewer than the 4 workers"):
             train.TrainConfig(batch_size=450)  # the local-steps run is of processes
         assert train.TrainConfig(batch_size=450, local_steps=0).batch_size == 450  # threads
-
-    def test_density_of_two_entries_of_the_largest_parameter(self) -> None:
-        """The largest parameter is the first layer's 64 x hidden weights; 2 entries of it."""
-        assert train.TrainConfig(density=2 / 16384).density == 2 / 16384
-        with pytest.raises(ValueError, match=r"aims at 1.97 entries .* \(16,384 elements\).*"
-                           r"expect --density 0.000123 or more"):  # fmt: skip
-            train.TrainConfig(density=1.2e-4)
-        assert train.TrainConfig(density=0.000123).density == 0.000123  # what it suggests
-        with pytest.raises(ValueError, match=r"\(6,400 elements\).* --density 0.000313 or"):
-            train.TrainConfig(hidden=100, density=3e-4)
-        assert train.TrainConfig(hidden=100, density=0.000313).hidden == 100
-        assert train.TrainConfig(local_steps=0, density=1e-5).density == 1e-5  # no such run
-        assert train.TrainConfig(density=1.0).density == 1.0  # dense syncs
 
     def test_nothing_sent_is_said_in_words(self) -> None:
         """A run that sent nothing (a threshold no update crosses) had a compression of

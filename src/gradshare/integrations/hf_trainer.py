@@ -7,7 +7,6 @@ import dataclasses
 import functools
 import logging
 import os
-from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,6 @@ from transformers.trainer_utils import get_last_checkpoint
 
 from gradshare._checks import to_seconds
 from gradshare.distributed.ddp_hook import ThresholdHookState, register_threshold_hook
-from gradshare.distributed.exchange import collective
 from gradshare.distributed.local_steps import LocalSteps, LocalStepsOptions
 from gradshare.distributed.local_steps.options import FIELDS as LOCAL_FIELDS
 from gradshare.distributed.local_steps.options import local_steps_options
@@ -96,8 +94,9 @@ class GradshareCallback(TrainerCallback):
 
     The end of training (``on_train_end``), with ``"local"``: LocalSteps closes (a round in
     flight is merged), and when the replicas may differ (the run did not end on a sync, or
-    with ``overlap`` or ``fragments``) they are averaged once, densely (one all-reduce of the
-    parameters, not counted in ``bytes_sent``): every rank then holds the same model, the
+    with ``overlap`` or ``fragments``) they are averaged once, densely
+    (:meth:`~gradshare.LocalSteps.average`: one all-reduce of the parameters, counted in
+    ``bytes_sent``): every rank then holds the same model, the
     mean of the replicas, which ``trainer.save_model()`` saves, rather than rank 0's replica
     without the other ranks' last partial round. A checkpoint of the last step, saved before,
     keeps each rank's own replica, so a resume from it continues as the run went.
@@ -281,8 +280,7 @@ class GradshareCallback(TrainerCallback):
         sync = self.shared
         if isinstance(sync, LocalSteps):
             sync.close()
-            if sync.overlap or sync.fragments > 1 or sync.steps % sync.sync_every:  # may differ
-                _average_replicas_(sync.params, self.options.timeout)
+            sync.average()  # where the replicas may differ: every rank ends with their mean
 
 
 def _set_group_timeout(timeout: timedelta) -> None:
@@ -292,17 +290,6 @@ def _set_group_timeout(timeout: timedelta) -> None:
         logger.warning("GradshareCallback cannot set the process group's timeout here.")
         return
     setter(timeout, None)
-
-
-@torch.no_grad()
-def _average_replicas_(params: Sequence[torch.Tensor], timeout: Any) -> None:
-    """Every rank's ``params`` become the mean of the ranks' (one all-reduce)."""
-    flat = torch.cat([p.detach().reshape(-1) for p in params])
-    collective(dist.all_reduce, flat, what="final average of the replicas", rank=dist.get_rank(),
-               timeout=timedelta(seconds=to_seconds(timeout)))  # fmt: skip
-    flat /= dist.get_world_size()
-    for p, piece in zip(params, flat.split([p.numel() for p in params]), strict=True):
-        p.copy_(piece.view_as(p))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

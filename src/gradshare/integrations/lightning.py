@@ -253,6 +253,11 @@ class GradshareDDPStrategy(DDPStrategy):
         super().remove_checkpoint(filepath)
         lightning_rank_file(filepath, self.global_rank).unlink(missing_ok=True)
 
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        if self.local_steps is not None:  # where the replicas may differ: their mean
+            self.local_steps.average()
+
     def teardown(self) -> None:
         super().teardown()
         if self.local_steps is not None:

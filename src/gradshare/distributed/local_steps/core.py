@@ -189,8 +189,7 @@ class LocalSteps:
             f.encoders[:] = encoders[f.span.first : f.span.last]
 
     def settings(self) -> dict[str, Any]:
-        """What every rank must agree on (at construction) and a state records (a load
-        compares :data:`~gradshare.distributed.local_steps.state.LOADED` of them)."""
+        """What every rank must agree on, and a state records (:func:`settings_of`)."""
         return settings_of(self)
 
     def _hook(self, inner: torch.optim.Optimizer, scaler: Any) -> None:
@@ -255,8 +254,8 @@ class LocalSteps:
         self.dense_bytes += 4 * frag.numel
         self.syncs += 1
 
-    def _unsync(self) -> None:
-        self.syncs -= 1  # a round in flight failed: its number is used again
+    def _unsync(self) -> None:  # a round in flight failed: its number is used again
+        self.syncs -= 1
 
     def _step(self, frag: Fragment) -> None:
         """``frag``'s outer step; one that fails stops syncing for good."""
@@ -289,10 +288,16 @@ class LocalSteps:
             self._receive()
             self._overlap.flush()
 
+    def average(self) -> None:
+        """At the end of a run (a collective): every replica and the global copy take the mean
+        of the replicas, where they may differ (:func:`_alike`), with a dense all-reduce."""
+        self.flush()
+        if not _alike(self):
+            self.bytes_sent += self._protocol.average_(self.params, self.global_params)
+
     def metrics(self) -> dict[str, float]:
-        """``bytes_sent``, ``dense_bytes``, ``compression``, ``density`` and ``threshold``
-        of the last sync whose exchange completed, and ``stalled``
-        (:func:`~gradshare.distributed.metrics.share_metrics`)."""
+        """:func:`~gradshare.distributed.metrics.share_metrics` of the counters and of the
+        last sync whose exchange completed."""
         shown = self._overlap.round.shown if self._overlap is not None else (
             [e.last_stats for e in self.encoders]
         )  # fmt: skip
@@ -315,8 +320,7 @@ class LocalSteps:
     # ------------------------------------------------------------------ lifetime
 
     def close(self) -> None:
-        """Stop syncing: merge the round in flight (:meth:`flush`), then remove the step
-        hook (or the grad scaler's counting), also when the merge raises."""
+        """Stop syncing: :meth:`flush`, then remove the step hook (also when that raises)."""
         try:
             self.flush()
         finally:
@@ -343,12 +347,23 @@ class LocalSteps:
             self._unhook()
 
     def __repr__(self) -> str:
-        mode = "dense" if self.dense else self.settings()["threshold"]
-        return (
-            f"LocalSteps(sync_every={self.sync_every}, {mode}, decay={self.decay}, "
-            f"outer={self._outer_text}{f', overlap={self.overlap}' if self.overlap else ''}"
-            f"{f', fragments={self.fragments}' if self.fragments > 1 else ''})"
-        )
+        return _describe(self)
+
+
+def _alike(ls: LocalSteps) -> bool:
+    """Whether the replicas are alike now: the last step synced the whole model (one
+    fragment, no overlap), or none was taken. :meth:`LocalSteps.average` costs 4 bytes per
+    element sent; it is skipped then."""
+    return not (ls.overlap or ls.fragments > 1 or ls.steps % ls.sync_every)
+
+
+def _describe(ls: LocalSteps) -> str:
+    mode = "dense" if ls.dense else ls.settings()["threshold"]
+    return (
+        f"LocalSteps(sync_every={ls.sync_every}, {mode}, decay={ls.decay}, "
+        f"outer={ls._outer_text}{f', overlap={ls.overlap}' if ls.overlap else ''}"
+        f"{f', fragments={ls.fragments}' if ls.fragments > 1 else ''})"
+    )
 
 
 def _build_rounds(ls: LocalSteps) -> tuple[list[Fragment], Buffers, Overlap | None]:
