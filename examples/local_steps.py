@@ -6,13 +6,20 @@
     torchrun --standalone --nproc_per_node=2 --max-restarts=1 examples/local_steps.py \
         --checkpoint-dir ckpt --crash-at-step 12  # a rank dies; torchrun restarts, it resumes
 
+    torchrun --standalone --nproc_per_node=3 examples/local_steps.py \
+        --checkpoint-dir ckpt               # again with 2 or 3: resumed at the new size
+    torchrun --nnodes=1:3 --nproc_per_node=1 --rdzv-backend=c10d --rdzv-endpoint=HOST:29400 \
+        --max-restarts=3 examples/local_steps.py --checkpoint-dir ckpt   # one per machine
+
 Each rank trains its own replica with AdamW on its own share of the minibatches; every 10 inner
 steps the replicas' moves are threshold-encoded with error feedback, exchanged, averaged into
 the global copy by the outer optimizer, and every replica restarts from it. The training loop
 is an ordinary one: LocalSteps hooks ``inner.step()``. With ``--checkpoint-dir`` every rank
 saves its model, inner optimizer and LocalSteps state every ``--save-every`` steps and resumes
 from the newest step that every rank saved and can read (past a damaged file, all ranks fall
-back alike: ``rank_checkpoints.py``), under ``torchrun --max-restarts`` too.
+back alike: ``rank_checkpoints.py``), under ``torchrun --max-restarts`` too. A step saved by
+a world of another size (a machine gone for good, or one more, under torchrun's elastic
+``--nnodes=MIN:MAX``) resumes resized: ``sync.load_state_dict(every_rank_file, resize=True)``.
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ from torch.nn import functional as F
 import gradshare
 from gradshare.app.datasets import digits, minibatches, mlp
 
-from rank_checkpoints import latest_readable, save
+from rank_checkpoints import latest_of_any_world, save
 
 
 def schedule(split, epochs: int, batch_size: int, rank: int, world: int) -> list:
@@ -53,6 +60,28 @@ def init_distributed() -> None:
     dist.init_process_group("gloo", store=dist.PrefixStore(f"attempt{attempt}/", store),
                             rank=int(os.environ["RANK"]),
                             world_size=int(os.environ["WORLD_SIZE"]))  # fmt: skip
+
+
+def resume(ckpt: Path, model, inner, sync, rank: int, world: int) -> tuple[int, bool]:
+    """Load the newest step every rank can read; a step saved by a world of another size is
+    resized (``resize=True``: the departed ranks' residuals are folded into the others', a new
+    rank starts from the global copy with a peer's optimizer state). Returns the step, and
+    whether the world was resized."""
+    start, saved, states = latest_of_any_world(ckpt, rank)
+    if not states:
+        return 0, False
+    peer = states[f"step{start:06d}/rank{rank % saved}.pt"]  # this rank's own, if it was one
+    if rank < saved:
+        model.load_state_dict(peer["model"])
+    inner.load_state_dict(peer["inner"])
+    if saved == world:
+        sync.load_state_dict(peer["sync"])
+    else:
+        sync.load_state_dict({name: s["sync"] for name, s in states.items()}, resize=True)
+    if rank == 0:
+        print(f"resumed from step {start}" + (f", resized from {saved} to {world} ranks"
+                                              if saved != world else ""))  # fmt: skip
+    return start, saved != world
 
 
 def main() -> None:
@@ -79,15 +108,9 @@ def main() -> None:
     batches = schedule(split, args.epochs, args.batch_size, rank, world)
     steps = len(batches) if args.steps is None else min(args.steps, len(batches))
     first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-    start = 0
+    start, check = 0, False
     if args.checkpoint_dir is not None:
-        start, state = latest_readable(args.checkpoint_dir, rank, world)
-        if state is not None:
-            model.load_state_dict(state["model"])
-            inner.load_state_dict(state["inner"])
-            sync.load_state_dict(state["sync"])
-            if rank == 0:
-                print(f"resumed from step {start}")
+        start, check = resume(args.checkpoint_dir, model, inner, sync, rank, world)
     for step in range(start, steps):
         if step == args.crash_at_step and rank == world - 1 and first_attempt:
             os._exit(1)  # a worker dies (tests use this)
@@ -96,7 +119,16 @@ def main() -> None:
         inner.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        syncs = sync.syncs
         inner.step()  # every sync_every-th step ends with a sync
+        if check and sync.syncs > syncs:  # the first sync after a resize
+            check = False
+            flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+            every = [torch.empty_like(flat) for _ in range(world)]
+            dist.all_gather(every, flat)
+            same = all(torch.equal(every[0], f) for f in every)
+            if rank == 0:
+                print(f"replicas {'identical' if same else 'DIFFER'} after the first sync")
         done = step + 1
         if args.checkpoint_dir is not None and done % args.save_every == 0:
             state = {"model": model.state_dict(), "inner": inner.state_dict(),

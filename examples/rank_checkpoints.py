@@ -1,6 +1,8 @@
 """Every rank's own checkpoint of a step, for the torchrun examples (``torchrun_shared.py``,
 ``local_steps.py``): ``<dir>/step{N:06d}/rank{r}.pt``, each written whole, and the newest
-step that every rank saved and can read, agreed by the ranks.
+step that every rank saved and can read, agreed by the ranks. ``local_steps.py`` also reads
+a step saved by a world of another size (every rank reads every file of it:
+:func:`latest_of_any_world`), for a restart with more or fewer ranks.
 
 A rank file can be there and still unreadable (damaged, or cut short by a full disk): every
 rank then falls back, alike, to the step before, so that a launch, or each attempt of an
@@ -56,3 +58,29 @@ def latest_readable(ckpt: Path, rank: int, world: int) -> tuple[int, dict | None
         if rank == 0:
             print(f"step {step} is unreadable on some rank: falling back", flush=True)
     return 0, None
+
+
+def latest_of_any_world(ckpt: Path, rank: int) -> tuple[int, int, dict[str, dict]]:
+    """The newest step saved whole by a world of any size that every rank can read whole:
+    (step, that world's size, every one of its rank files by name); (0, 0, {}) if none.
+    Every rank reads every file (a resized load folds them all); the world that saved a step
+    is the one its rank 0 file records (a step missing a rank's file is incomplete, passed
+    over). The ranks agree, as in :func:`latest_readable`."""
+    dirs = sorted(ckpt.glob("step*"), key=lambda d: int(d.name[4:]), reverse=True)
+    for d in dirs:
+        step, states = int(d.name[4:]), {}
+        try:
+            first = load(ckpt, step, 0)
+            world = int(first["sync"]["world_size"])
+            states = {f"{d.name}/rank{r}.pt": first if r == 0 else load(ckpt, step, r)
+                      for r in range(world)}  # fmt: skip
+        except Exception as e:  # missing, damaged, cut short: try the one before
+            print(f"rank {rank}: cannot read every rank file of {d.name}: {e}", flush=True)
+            states, world = {}, 0
+        ok = torch.tensor([bool(states)], dtype=torch.int64)
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+        if ok.item():
+            return step, world, states
+        if rank == 0:
+            print(f"step {step} is unreadable on some rank: falling back", flush=True)
+    return 0, 0, {}

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel
@@ -1219,3 +1220,91 @@ def _rank_failed_exchange(rank: int, world: int, overlap: bool) -> bool:
 @pytest.mark.parametrize("overlap", [False, True])
 def test_a_failed_exchange_leaves_every_encoder_as_it_was(overlap: bool) -> None:
     assert spawn(_rank_failed_exchange, 1, overlap)[0].get()
+
+
+# ---------------------------------------------------------------------- resize at a restart
+
+
+def _rank_resize(rank: int, world: int, tmp: str, saved: int, overlap: int) -> dict:
+    """Load every rank's state of the world of ``saved`` (none: a fresh start) resized, train
+    to the next sync, then save this world's states. With ``overlap`` 1, each save holds the
+    carry of a merged round (5 steps at sync_every 2, τ 1: merged at step 5); with 2 (τ =
+    sync_every), a round waiting for its merge, with its lead (merged at the load)."""
+    model = toy_model(seed=rank)
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sync = LocalSteps(model, inner, sync_every=2, overlap=overlap, timeout=30)
+    folder = Path(tmp) / f"overlap{overlap}"
+    out: dict = {}
+    if saved:
+        states = {f"w{saved}-rank{r}.pt": torch.load(folder / f"w{saved}-rank{r}.pt",
+                                                      weights_only=True)
+                  for r in range(saved)}  # fmt: skip
+        with pytest.raises(ValueError, match=f"saved by rank {rank % saved} of {saved}"):
+            sync.load_state_dict(states[f"w{saved}-rank{rank % saved}.pt"])  # not silently
+        if rank == 0:  # refusals, before anything changes
+            one = dict(list(states.items())[:-1])
+            with pytest.raises(ValueError, match=r"rank\(s\) \[\d\] missing"):
+                sync.load_state_dict(one, resize=True)
+            other = {**states, f"w{saved}-rank0.pt": {**states[f"w{saved}-rank0.pt"],
+                                                      "syncs": 1}}  # fmt: skip
+            with pytest.raises(ValueError, match="differ in `syncs`"):
+                sync.load_state_dict(other, resize=True)
+        sync.load_state_dict(states, resize=True)
+        out["residuals"] = [
+            torch.zeros(p.numel(), dtype=torch.float64) if e.residual is None  # a new rank's
+            else e.residual.double().clone()
+            for e, p in zip(sync.encoders, sync.params, strict=True)
+        ]  # fmt: skip
+        out["base"] = None if sync._flat.base is None else sync._flat.base.double().clone()
+    steps = 5 if overlap == 1 else 4
+    batches = toy_batches(20 * world, seed=30 + world)[rank::world]
+    start = sync.steps
+    _train(model, inner, batches[: steps - start % 2 if saved else steps])
+    if saved:
+        every = [torch.empty_like(flat(model)) for _ in range(world)]
+        dist.all_gather(every, flat(model))
+        out["identical"] = all(torch.equal(every[0], f) for f in every)
+    torch.save(sync.state_dict(), folder / f"w{world}-rank{rank}.pt")
+    sync.close()
+    return out
+
+
+def _owed(states: list[dict], sizes: list[int]) -> list[torch.Tensor]:
+    """Per parameter: (1/M) Σ over the M ranks of residual + carry (the base where no round
+    waits; where one does, the base is its send point, not a carry), in float64."""
+    out = []
+    offset = 0
+    for k, n in enumerate(sizes):
+        total = torch.zeros(n, dtype=torch.float64)
+        for s in states:
+            r = s["encoders"][k]["residual"]
+            total += 0 if r is None else r.double()
+            if s["base"] is not None and s.get("pending") is None:
+                total += s["base"][offset : offset + n].double()
+        out.append(total / len(states))
+        offset += n
+    return out
+
+
+@pytest.mark.parametrize("overlap", [0, 1, 2])
+def test_resize_three_two_three_conserves_what_is_owed(tmp_path: Path, overlap: int) -> None:
+    """3 ranks save; 2 load every file resized, sync, save; 3 load those, sync. Each time,
+    per parameter, what the global copy is still owed, (1/M)·Σ (residual + carry), is what
+    it was (float64, to float32's rounding), and the replicas are identical after the first
+    sync (with τ = sync_every, the round saved in flight is merged at the load)."""
+    (tmp_path / f"overlap{overlap}").mkdir()
+    sizes = [p.numel() for p in toy_model().parameters()]
+    for world, saved in ((3, 0), (2, 3), (3, 2)):
+        results = [r.get() for r in pooled(_rank_resize, world, str(tmp_path), saved, overlap)]
+        if not saved:
+            continue
+        folder = tmp_path / f"overlap{overlap}"
+        before = _owed([torch.load(folder / f"w{saved}-rank{r}.pt", weights_only=True)
+                        for r in range(saved)], sizes)  # fmt: skip
+        loaded = [{"encoders": [{"residual": t} for t in r["residuals"]], "base": r["base"],
+                   "pending": None} for r in results]  # fmt: skip
+        if overlap == 2:  # merged at the load: the carry is what the replica moved since
+            loaded = [{**r, "base": None} for r in loaded]
+        for k, (want, got) in enumerate(zip(before, _owed(loaded, sizes), strict=True)):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-6, msg=f"parameter {k}")
+        assert all(r["identical"] for r in results), world

@@ -23,9 +23,12 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--np
 STEPS = ["--epochs", "1", "--steps", "20", "--save-every", "10"]
 
 
-def torchrun(*args: str | Path, restarts: int = 0) -> subprocess.CompletedProcess[str]:
+def torchrun(
+    *args: str | Path, restarts: int = 0, ranks: int = 2
+) -> subprocess.CompletedProcess[str]:
+    launcher = [*TORCHRUN[:-1], f"--nproc_per_node={ranks}"]
     return subprocess.run(
-        [*TORCHRUN, f"--max-restarts={restarts}", str(ROOT / "examples" / "local_steps.py"),
+        [*launcher, f"--max-restarts={restarts}", str(ROOT / "examples" / "local_steps.py"),
          *map(str, args)],
         capture_output=True, text=True, timeout=240, cwd=ROOT,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
@@ -49,8 +52,10 @@ def launched(
             torchrun, *STEPS, "--checkpoint-dir", tmp / "ckpt", "--crash-at-step", "12",
             "--out", tmp / "elastic.pt", restarts=1,
         )  # fmt: skip
-    with ThreadPoolExecutor(len(jobs) + 1) as pool:
+    with ThreadPoolExecutor(len(jobs) + 2) as pool:
         runs = {name: pool.submit(job) for name, job in jobs.items()}
+        if selected(request, "test_a_third_rank_resumes_the_two_ranks_checkpoint"):
+            runs["resized"] = pool.submit(_resized, runs["whole"], tmp_path_factory.mktemp("3"))
         if selected(request, "test_a_damaged_newest_checkpoint_is_passed_over"):
             tmp = tmp_path_factory.mktemp("damaged")
             runs["damaged"] = pool.submit(_damaged, runs["whole"], tmp)
@@ -65,6 +70,15 @@ def _damaged(whole: Future[subprocess.CompletedProcess[str]], tmp: Path) -> Any:
     shutil.copytree(run.args[run.args.index("--checkpoint-dir") + 1], ckpt)
     (ckpt / "step000020" / "rank1.pt").write_bytes(b"PK\x03\x04 cut short")
     return torchrun(*STEPS, "--checkpoint-dir", ckpt, "--out", tmp / "resumed.pt", restarts=1)
+
+
+def _resized(whole: Future[subprocess.CompletedProcess[str]], tmp: Path) -> Any:
+    """Once ``whole`` (2 ranks) has ended: its checkpoints resumed by 3 ranks."""
+    run = whole.result()
+    ckpt = tmp / "ckpt"
+    shutil.copytree(run.args[run.args.index("--checkpoint-dir") + 1], ckpt)
+    return torchrun("--epochs", "3", "--steps", "30", "--save-every", "10", "--checkpoint-dir",
+                    ckpt, ranks=3)  # fmt: skip
 
 
 def _out(run: subprocess.CompletedProcess[str]) -> torch.Tensor:
@@ -109,3 +123,16 @@ def test_a_damaged_newest_checkpoint_is_passed_over(
     assert "step 20 is unreadable on some rank: falling back" in run.stdout
     assert "resumed from step 10" in run.stdout
     assert torch.equal(_out(run), whole[1])
+
+
+def test_a_third_rank_resumes_the_two_ranks_checkpoint(
+    launched: dict[str, Future[subprocess.CompletedProcess[str]]],
+) -> None:
+    """A state saved by 2 ranks was refused by 3 (another world size): a machine that came
+    back could not join. The example now resumes at step 20 resized (``resize=True``), and
+    the 3 replicas are identical after their first sync (tests/test_local_steps.py holds
+    the law, 3 -> 2 -> 3)."""
+    run = launched["resized"].result()
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "resumed from step 20, resized from 2 to 3 ranks" in run.stdout, run.stdout
+    assert "replicas identical after the first sync" in run.stdout, run.stdout

@@ -34,6 +34,7 @@ from gradshare.distributed.local_steps.options import (
 )
 from gradshare.distributed.local_steps.overlap import Overlap
 from gradshare.distributed.local_steps.protocol import Protocol, undone_on_error
+from gradshare.distributed.local_steps.resize import load_resized
 from gradshare.distributed.local_steps.schedule import Schedule
 from gradshare.distributed.metrics import Unsent, share_metrics
 from gradshare.encoding.encoder import Encoder
@@ -312,10 +313,11 @@ class LocalSteps:
         flight is waited for and saved (:mod:`.state`)."""
         return state_io.state_dict(self)
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore this rank's :meth:`state_dict` (of any earlier format too); check
-        everything first, change nothing on a mismatch or junk (:mod:`.state`)."""
-        state_io.load_state_dict(self, state)
+    def load_state_dict(self, state: Any, *, resize: bool = False) -> None:
+        """Restore this rank's :meth:`state_dict` (any earlier format too), all checked
+        before anything changes; ``resize=True``: ``state`` maps file names to every
+        rank's state of another world size (:func:`.state.load_resized`)."""
+        (load_resized if resize else state_io.load_state_dict)(self, state)
 
     # ------------------------------------------------------------------ lifetime
 

@@ -30,7 +30,7 @@ LocalSteps = Any
 """The :class:`~gradshare.LocalSteps` whose state this is (not imported: :mod:`.core` imports
 this module)."""
 
-__all__ = ["FORMAT", "LOADED", "MIGRATIONS", "load_state_dict", "state_dict"]
+__all__ = ["FORMAT", "LOADED", "MIGRATIONS", "current", "load_state_dict", "state_dict"]
 
 FORMAT = 5
 """The version of :meth:`~gradshare.LocalSteps.state_dict`'s layout: 2 added ``pending`` and
@@ -130,15 +130,21 @@ def state_dict(ls: LocalSteps) -> dict[str, Any]:
 # ---------------------------------------------------------------------- load
 
 
-def load_state_dict(ls: LocalSteps, state: Any) -> None:
-    """:meth:`~gradshare.LocalSteps.load_state_dict`: check everything, then change."""
-    state = check_mapping(state, "a LocalSteps state")
-    version = check_format(state, "LocalSteps state", FORMAT)
+def current(state: Any, what: str = "LocalSteps state") -> dict[str, Any]:
+    """``state`` brought to this :data:`FORMAT` (:data:`MIGRATIONS`), every key there."""
+    state = check_mapping(state, f"a {what}" if what == "LocalSteps state" else what)
+    version = check_format(state, what, FORMAT)
     for v in range(version, FORMAT):
         state = MIGRATIONS[v](state)
     missing = _KEYS - set(state)
     if missing:
-        raise ValueError(f"LocalSteps state is missing {sorted(missing)}: is it one?")
+        raise ValueError(f"{what} is missing {sorted(missing)}: is it one?")
+    return state
+
+
+def load_state_dict(ls: LocalSteps, state: Any) -> None:
+    """:meth:`~gradshare.LocalSteps.load_state_dict`: check everything, then change."""
+    state = current(state)
     check_saved_by(state, ls.group, "LocalSteps state")
     _check_settings(ls, check_mapping(state["settings"], "`settings`"))
     counters = {k: check_counter(state, k, "LocalSteps state")
