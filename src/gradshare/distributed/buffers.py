@@ -16,7 +16,7 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from gradshare.distributed.exchange import PrivateGroup, collective
+from gradshare.distributed.exchange import PrivateGroup, collective, this_rank
 
 __all__ = ["BufferSync"]
 
@@ -73,18 +73,17 @@ class BufferSync:
         for i in differ:
             by_dtype.setdefault(self.buffers[i].dtype, []).append(self.buffers[i])
         group = self.group.get()
-        src = dist.get_global_rank(group, 0)
         sent = 0
         for buffers in by_dtype.values():
             flat = torch.cat([b.detach().reshape(-1) for b in buffers]).to(self.device)
             collective(
                 dist.broadcast,
                 flat,
-                src=src,
+                group_src=0,
                 group=group,
                 timeout=self.group.timeout,
                 what="buffer broadcast",
-                rank=dist.get_rank(),
+                rank=this_rank(group),
             )
             pos = 0
             for b in buffers:
@@ -109,6 +108,6 @@ class BufferSync:
             group=group,
             timeout=self.group.timeout,
             what="buffer digests",
-            rank=dist.get_rank(),
+            rank=this_rank(group),
         )
         return self.take([row.tolist() for row in rows])

@@ -49,8 +49,10 @@ __all__ = [
     "exchange_pieces",
     "global_ranks",
     "largest_message",
+    "name_group",
     "rank_names",
     "take_back",
+    "this_rank",
 ]
 
 _OK, _FAILED = 0, 1
@@ -110,14 +112,41 @@ _MISMATCH = ("EnforceNotMet", "collective mismatch", "size doesn't match", "size
 """What a backend's error says when the ranks' collectives did not match."""
 
 
+_NAMED: dict[int, tuple[int, list[str]]] = {}
+"""Groups torch does not know (torchft's, rebuilt at each quorum): id -> (this process's rank
+in it, each rank's name), for errors (:func:`name_group`)."""
+
+
+def name_group(group: Any, rank: int | None, names: list[str] | None) -> None:
+    """Record this process's rank in ``group`` and its ranks' names (None: forget it): for a
+    group outside torch's registry, whose ranks have no global rank."""
+    if rank is None or names is None:
+        _NAMED.pop(id(group), None)
+    else:
+        _NAMED[id(group)] = (rank, names)
+
+
+def this_rank(group: Any = None) -> int:
+    """This process's rank, for errors: its global rank, or its rank in a named group."""
+    named = _NAMED.get(id(group))
+    if named is not None and not dist.is_initialized():
+        return named[0]
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
 def global_ranks(group: Any = None) -> list[int]:
-    """The global rank of each rank of ``group``, in group order (errors name global ranks)."""
+    """The global rank of each rank of ``group``, in group order (errors name global ranks);
+    for a named group, its ranks' positions."""
+    if id(group) in _NAMED:
+        return list(range(len(_NAMED[id(group)][1])))
     return dist.get_process_group_ranks(group or dist.group.WORLD)
 
 
 def rank_names(world: int, group: Any = None) -> list[str]:
     """How errors name the messages of an exchange over ``group``, by position: by global
-    rank (the ranks of a world of ``world`` when no group is given)."""
+    rank (the ranks of a world of ``world`` when no group is given; a named group's names)."""
+    if id(group) in _NAMED:
+        return _NAMED[id(group)][1][:world]
     ranks = global_ranks(group) if dist.is_initialized() else list(range(world))
     return [f"rank {r}" for r in ranks[:world]]
 
@@ -162,7 +191,7 @@ def exchange_messages(
             failed or timed out.
     """
     timeout = timedelta(seconds=to_seconds(timeout))
-    rank = dist.get_rank()
+    rank = this_rank(group)
     world = dist.get_world_size(group)
     ranks = global_ranks(group)
     if device is None:
