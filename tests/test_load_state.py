@@ -41,10 +41,6 @@ def _residual(path: tuple, change: Callable[[torch.Tensor], torch.Tensor]) -> Mu
     return mutate
 
 
-def _drop(key: str) -> Mutation:
-    return lambda state: state.pop(key)
-
-
 def _junk_thresholds(path: tuple) -> dict[str, Mutation]:
     return {
         f"last_threshold {v!r}": _set((*path, "algorithm", "last_threshold"), v)

@@ -125,7 +125,7 @@ class LocalSteps:
         """Where the global copy, residuals and outer state live."""
         self.timeout = timedelta(seconds=self.options.seconds())
         self._private = PrivateGroup(group, self.timeout)
-        self._world, self._rank = dist.get_world_size(group), dist.get_rank(group)
+        self._world = dist.get_world_size(group)
         buffers = BufferSync(model if o.broadcast_buffers else torch.nn.Module(),
                              self._private, self.device)  # fmt: skip
         divisor = self._world if self.options.reduce("mean") == "mean" else 1
