@@ -43,7 +43,7 @@ def _crc(text: str) -> int:
 def agree(
     settings: dict[str, Any],
     *,
-    group: Any,
+    group: dist.ProcessGroup | None,
     timeout: timedelta,
     what: str,
     device: torch.device | None = None,
@@ -85,7 +85,9 @@ def agree(
     )
 
 
-def _gather(row: torch.Tensor, group: Any, timeout: timedelta, what: str) -> list[list[int]]:
+def _gather(
+    row: torch.Tensor, group: dist.ProcessGroup | None, timeout: timedelta, what: str
+) -> list[list[int]]:
     rows = [torch.empty_like(row) for _ in range(dist.get_world_size(group))]
     collective(dist.all_gather, rows, row, group=group, timeout=timeout, what=what,
                rank=dist.get_rank())  # fmt: skip
@@ -93,7 +95,7 @@ def _gather(row: torch.Tensor, group: Any, timeout: timedelta, what: str) -> lis
 
 
 def _gather_texts(
-    text: str, group: Any, timeout: timedelta, device: torch.device, what: str
+    text: str, group: dist.ProcessGroup | None, timeout: timedelta, device: torch.device, what: str
 ) -> list[dict[str, str]]:
     """Every rank's ``text`` (a JSON object), lengths first, then the bytes padded."""
     data = text.encode()

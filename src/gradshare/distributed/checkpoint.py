@@ -30,7 +30,7 @@ _LARGEST_THRESHOLD = float(torch.finfo(torch.float32).max)
 """A threshold above float32's largest value could never be crossed by a float32 residual."""
 
 
-def saved_by(group: Any = None) -> dict[str, int]:
+def saved_by(group: dist.ProcessGroup | None = None) -> dict[str, int]:
     """``{"rank": r, "world_size": w}`` of this process in ``group`` (empty without a process
     group)."""
     if not dist.is_available() or not dist.is_initialized():
@@ -38,7 +38,7 @@ def saved_by(group: Any = None) -> dict[str, int]:
     return {"rank": dist.get_rank(group), "world_size": dist.get_world_size(group)}
 
 
-def check_saved_by(saved: dict[str, Any], group: Any, what: str) -> None:
+def check_saved_by(saved: dict[str, Any], group: dist.ProcessGroup | None, what: str) -> None:
     """Refuse ``saved`` unless this rank of a world of the same size saved it (a state that
     records neither passes: it predates the record)."""
     here = saved_by(group)

@@ -110,12 +110,12 @@ _MISMATCH = ("EnforceNotMet", "collective mismatch", "size doesn't match", "size
 """What a backend's error says when the ranks' collectives did not match."""
 
 
-def global_ranks(group: Any = None) -> list[int]:
+def global_ranks(group: dist.ProcessGroup | None = None) -> list[int]:
     """The global rank of each rank of ``group``, in group order (errors name global ranks)."""
     return dist.get_process_group_ranks(group or dist.group.WORLD)
 
 
-def rank_names(world: int, group: Any = None) -> list[str]:
+def rank_names(world: int, group: dist.ProcessGroup | None = None) -> list[str]:
     """How errors name the messages of an exchange over ``group``, by position: by global
     rank (the ranks of a world of ``world`` when no group is given)."""
     ranks = global_ranks(group) if dist.is_initialized() else list(range(world))
@@ -132,7 +132,7 @@ def exchange_messages(
     message: torch.Tensor | None,
     numel: int,
     *,
-    group: Any = None,
+    group: dist.ProcessGroup | None = None,
     timeout: float | timedelta | None = None,
     device: torch.device | None = None,
     failure: BaseException | None = None,
@@ -219,7 +219,7 @@ def exchange_pieces(
     targets: Sequence[torch.Tensor],
     labels: Sequence[Any],
     *,
-    group: Any,
+    group: dist.ProcessGroup | None,
     timeout: float | timedelta | None,
     device: torch.device,
     divisor: float,
@@ -288,13 +288,15 @@ class PrivateGroup:
     twin (the nodes and node leaders of the hierarchical exchange); only they may use it.
     """
 
-    def __init__(self, group: Any, timeout: timedelta, ranks: list[int] | None = None) -> None:
+    def __init__(
+        self, group: dist.ProcessGroup | None, timeout: timedelta, ranks: list[int] | None = None
+    ) -> None:
         self.parent = group
         self.timeout = timeout
         self.ranks = ranks
-        self._ref: Any = None
+        self._ref: weakref.ref[dist.ProcessGroup] | None = None
 
-    def get(self) -> Any:
+    def get(self) -> dist.ProcessGroup:
         group = None if self._ref is None else self._ref()
         if group is None:
             ranks = self.ranks or dist.get_process_group_ranks(self.parent or dist.group.WORLD)

@@ -59,7 +59,10 @@ class NodeLayout:
 
 
 def node_layout(
-    hierarchical: bool | int, group: Any, private: Any, timeout: timedelta
+    hierarchical: bool | int,
+    group: dist.ProcessGroup | None,
+    private: dist.ProcessGroup,
+    timeout: timedelta,
 ) -> NodeLayout | None:
     """Resolve ``SharedOptimizer(hierarchical=...)``: None for the flat exchange.
 
@@ -129,7 +132,7 @@ def broadcast_messages(
     messages: list[torch.Tensor | None] | None,
     *,
     src: int,
-    group: Any,
+    group: dist.ProcessGroup | None,
     num_nodes: int,
     numel: int,
     timeout: timedelta,

@@ -179,7 +179,7 @@ class SharedOptimizer(OptimizerWrapper):
         self,
         optimizer: torch.optim.Optimizer,
         *,
-        process_group: Any = None,
+        process_group: dist.ProcessGroup | None = None,
         model: torch.nn.Module | None = None,
         broadcast_buffers: bool = True,
         ddp: DistributedDataParallel | None = None,

@@ -107,7 +107,7 @@ def _ready_event(grad: torch.Tensor) -> Any:
 
 def _exchange_bucket(
     state: ThresholdHookState,
-    group: Any,
+    group: dist.ProcessGroup,
     grad: torch.Tensor,
     index: int,
     params: list[Param],
@@ -146,7 +146,7 @@ def _exchange_bucket(
 
 def _encoded_exchange(
     state: ThresholdHookState,
-    group: Any,
+    group: dist.ProcessGroup,
     grad: torch.Tensor,
     index: int,
     params: list[Param],
@@ -260,7 +260,7 @@ def _mask_(velocity: torch.Tensor, message: torch.Tensor) -> None:
 def register_threshold_hook(
     ddp_model: DistributedDataParallel,
     *,
-    process_group: Any = None,
+    process_group: dist.ProcessGroup | None = None,
     start_iter: int = 1,
     momentum: float = 0.0,
     options: EncodingOptions | None = None,

@@ -83,7 +83,7 @@ class ThresholdHookState:
 
     def __init__(
         self,
-        process_group: Any = None,
+        process_group: dist.ProcessGroup | None = None,
         *,
         start_iter: int = 1,
         momentum: float = 0.0,
@@ -315,7 +315,7 @@ class _Runtime:
         if failure is not None:
             raise failure
 
-    def exchange_group(self, state: ThresholdHookState) -> Any:
+    def exchange_group(self, state: ThresholdHookState) -> dist.ProcessGroup:
         """The private twin of ``state.process_group`` (made on the first call, from the
         hook, so every rank of the group makes it at the same point)."""
         if self.group is None:
