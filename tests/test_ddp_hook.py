@@ -29,7 +29,7 @@ from gradshare import (
 from gradshare.app.datasets import digits, minibatches, mlp
 from gradshare.codec import MessageError, decode_, multipart
 
-from toys import toy_batches
+from toys import logged, toy_batches
 from world import pooled, spawn
 
 
@@ -128,7 +128,27 @@ def _rank_checkpoint(rank: int, world: int) -> bool:
     )
 
 
+def _rank_logged(rank: int, world: int) -> list[tuple[str, str]]:
+    """What the hook logs, DEBUG included, in two iterations (one exact, one encoded)."""
+    with logged() as said:
+        model = DDP(mlp(10, 3, hidden=8, seed=0))
+        model.register_comm_hook(ThresholdHookState(momentum=0.5), threshold_hook)
+        for x, y in toy_batches(2):
+            model.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+    return said
+
+
 class TestThresholdHook:
+    def test_logs_its_configuration_and_each_exchange_at_debug(self) -> None:
+        """The hook said its configuration at its first exchange, and nothing of the
+        exchanges: one INFO line when its state is built, a DEBUG line a bucket."""
+        for said in (r.get() for r in pooled(_rank_logged, 2)):
+            hook = [(level, m) for level, m in said if m.startswith("threshold hook")]
+            assert [level for level, _ in hook] == ["INFO", "DEBUG", "INFO", "DEBUG"], said
+            assert "1 exact iteration(s), momentum 0.5, reduction mean" in hook[0][1], said
+            assert hook[1][1].startswith("threshold hook: iteration 0, bucket 0 sent "), said
+
     def test_conserves_against_plain_ddp(self) -> None:
         for world in (2, 3):
             for r in pooled(_rank_conservation, world, 8):

@@ -35,7 +35,7 @@ from gradshare import (
 from gradshare.app.datasets import mlp
 from gradshare.distributed.hosts import rendezvous_port
 
-from toys import flat, toy_batches
+from toys import flat, logged, toy_batches, toy_model
 from world import pooled, spawn
 
 
@@ -282,7 +282,29 @@ def _rank_checkpoint_schema(rank: int, world: int) -> dict:
 # ---------------------------------------------------------------------- tests
 
 
+def _rank_logged(rank: int, world: int) -> list[tuple[str, str]]:
+    """What a SharedOptimizer logs, DEBUG included, in two steps."""
+    model = toy_model()
+    with logged() as said:
+        opt = SharedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), reduction="mean")
+        for x, y in toy_batches(2):
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+    return said
+
+
 class TestSharedOptimizer:
+    def test_logs_its_configuration_and_each_step_at_debug(self) -> None:
+        """SharedOptimizer declared a logger and said nothing of itself: one INFO line when
+        built, a DEBUG line a step."""
+        for said in (r.get() for r in pooled(_rank_logged, 2)):
+            ours = [(level, m) for level, m in said if m.startswith("SharedOptimizer")]
+            assert [level for level, _ in ours] == ["INFO", "DEBUG", "DEBUG"], said
+            assert ours[0][1].startswith("SharedOptimizer over SGD: 4 parameter tensors"), said
+            assert "world 2" in ours[0][1] and "flat exchange" in ours[0][1], said
+            assert ours[2][1].startswith("SharedOptimizer step 1: sent "), said
+
     @pytest.mark.parametrize("world", [2, 3])
     def test_replicas_bit_identical_after_every_step(self, world: int) -> None:
         results = [r.get() for r in pooled(_rank_train, world, 12)]

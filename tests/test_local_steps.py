@@ -27,7 +27,7 @@ from gradshare.distributed.local_steps import (
     default_outer_lr,
 )
 
-from toys import flat, mlp, toy_batches, toy_model
+from toys import flat, logged, mlp, toy_batches, toy_model
 from world import pooled, spawn
 
 
@@ -276,6 +276,27 @@ def _replay(runs: list[dict], tau: int) -> tuple[list[torch.Tensor], torch.Tenso
         else:  # nothing in flight: the carry back into the model
             closed.append(after[r][-1] - base[r])
     return after, torch.stack(closed)
+
+
+def _rank_logged(rank: int, world: int) -> list[tuple[str, str]]:
+    """What an overlapping LocalSteps logs, DEBUG included: syncs at steps 2 and 4, the
+    first merged at step 3, the second at the close."""
+    model = toy_model(seed=rank)
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    with logged() as said:
+        sync = LocalSteps(model, inner, sync_every=2, overlap=1)
+        _train(model, inner, toy_batches(4, seed=rank))
+        sync.close()
+    return said
+
+
+def test_logs_its_configuration_and_each_round_at_debug() -> None:
+    """One INFO line when built, and with overlap a DEBUG line as each round arrives."""
+    for said in (r.get() for r in pooled(_rank_logged, 2)):
+        ours = [(level, m) for level, m in said if m.startswith("LocalSteps")]
+        assert [level for level, _ in ours] == ["INFO", "DEBUG", "DEBUG"], said
+        assert "overlap=1" in ours[0][1] and "world 2" in ours[0][1], said
+        assert ours[1][1].startswith("LocalSteps: a round of "), said
 
 
 class TestOverlap:

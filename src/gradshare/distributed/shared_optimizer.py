@@ -248,6 +248,17 @@ class SharedOptimizer(OptimizerWrapper):
                       "reduction='sum' to keep the sum and silence this).")  # fmt: skip
         if ddp is not None:
             ddp.register_comm_hook(None, noop_hook)  # every gradient stays local
+        logger.info(
+            "SharedOptimizer over %s: %d parameter tensors, %d elements, world %d, %s, "
+            "reduction %s, %s exchange",
+            type(optimizer).__name__,
+            len(params),
+            self.numel,
+            world,
+            "dense" if algorithm is None else algorithm,
+            reduction,
+            "flat" if self.nodes is None else f"hierarchical ({self.nodes.num_nodes} nodes)",
+        )
 
     # ------------------------------------------------------------------ set-up
 
@@ -300,6 +311,7 @@ class SharedOptimizer(OptimizerWrapper):
         """Step locally, share the encoded update with every rank, apply the same sum."""
         params = self._params()
         before = _flat_params(params, self._before)
+        sent = self.bytes_sent
         message: torch.Tensor | None = None
         failure: BaseException | None = None
         loss = None
@@ -322,6 +334,9 @@ class SharedOptimizer(OptimizerWrapper):
         finally:  # the parameters before the local step, minus the shared sum if it applied
             self._unflatten(before, params)
         self._buffers.sync()
+        logger.debug(
+            "SharedOptimizer step %d: sent %d bytes", self.iteration, self.bytes_sent - sent
+        )
         self.iteration += 1
         return loss
 

@@ -127,6 +127,7 @@ def _exchange_bucket(
         agree(state.settings(world), group=group, timeout=state.timeout,
               what="ThresholdHookState (the DDP hook)", device=grad.device)  # fmt: skip
         state._runtime.agreed = True
+    sent_before = state.bytes_sent
     if iteration < state.start_iter or state.options.dense:
         # the same header as an encoded exchange first: ranks at different iterations (one
         # encoding, one all-reducing) meet in the same collective and raise alike
@@ -138,6 +139,8 @@ def _exchange_bucket(
         state.bytes_sent += 4 * numel
     else:
         out = _encoded_exchange(state, group, grad, index, params, iteration, world)
+    sent = state.bytes_sent - sent_before
+    logger.debug("threshold hook: iteration %d, bucket %d sent %d bytes", iteration, index, sent)
     state.dense_bytes += 4 * numel
     if ready is not None:
         torch.cuda.current_stream().synchronize()  # the bucket is final when DDP reads it

@@ -106,6 +106,12 @@ class ThresholdHookState:
         """Bytes the same gradients take dense in float32."""
         self.last_stats: dict[Place, EncodeStats] = {}
         """Per parameter place: the :class:`~gradshare.EncodeStats` of its last step."""
+        if self.options.dense:
+            mode = "dense (exact all-reduce every iteration)"
+        else:
+            mode = f"{self.options.algorithm()} per parameter after {start_iter} exact iteration(s)"
+        reduction = self.options.reduce("mean")
+        logger.info("threshold hook: %s, momentum %g, reduction %s", mode, momentum, reduction)
 
     # ------------------------------------------------------------------ settings, read-only
 
@@ -320,11 +326,6 @@ class _Runtime:
         hook, so every rank of the group makes it at the same point)."""
         if self.group is None:
             self.group = PrivateGroup(state.process_group, state.timeout)
-            logger.info(
-                "threshold hook: %s per parameter, momentum %g, exact all-reduce for %d "
-                "iteration(s), exchanges over a private group",
-                state.options.algorithm(), state.momentum, state.start_iter,
-            )  # fmt: skip
         return self.group.get()
 
     def buffer(self, index: int, like: torch.Tensor) -> torch.Tensor:
