@@ -171,8 +171,15 @@ def exchange_messages(
     status = _OK if failure is None else _FAILED
     header = torch.tensor([status, words, numel, round], dtype=torch.int64, device=device)
     headers = [torch.empty_like(header) for _ in range(world)]
-    collective(dist.all_gather, headers, header, group=group, timeout=timeout,
-               what="size exchange", rank=rank)  # fmt: skip
+    collective(
+        dist.all_gather,
+        headers,
+        header,
+        group=group,
+        timeout=timeout,
+        what="size exchange",
+        rank=rank,
+    )
     table = torch.stack(headers).cpu().tolist()
     failed = [ranks[r] for r, h in enumerate(table) if h[0] != _OK]
     if failure is not None:
@@ -209,8 +216,15 @@ def exchange_messages(
     if message is not None:
         padded[:words].copy_(message)
     gathered = [torch.empty_like(padded) for _ in range(world)]
-    collective(dist.all_gather, gathered, padded, group=group, timeout=timeout,
-               what="message exchange", rank=rank)  # fmt: skip
+    collective(
+        dist.all_gather,
+        gathered,
+        padded,
+        group=group,
+        timeout=timeout,
+        what="message exchange",
+        rank=rank,
+    )
     return [m[: h[1]] if h[1] else None for h, m in zip(table, gathered, strict=True)]
 
 

@@ -38,8 +38,9 @@ def count_ranks_on_host(group: dist.ProcessGroup | None = None) -> int:
     if dist.get_backend(group) == "nccl":
         mine = mine.cuda()
     hosts = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    work = _inflight.issue(lambda: dist.all_gather(hosts, mine, group=group, async_op=True),
-                           (hosts, mine))  # fmt: skip
+    work = _inflight.issue(
+        lambda: dist.all_gather(hosts, mine, group=group, async_op=True), (hosts, mine)
+    )
     work.wait()
     del work  # the backend lets go of it before this returns (see _inflight)
     _inflight.settle((hosts, mine))

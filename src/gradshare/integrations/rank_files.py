@@ -97,9 +97,15 @@ def new_token(
     if world > 1:
         ident = ident.to(_device(group))
         src = 0 if group is None else dist.get_global_rank(group, 0)
-        collective(dist.broadcast, ident, src=src, group=group, what="save token broadcast",
-                   timeout=timedelta(seconds=to_seconds(timeout)),
-                   rank=dist.get_rank())  # fmt: skip
+        collective(
+            dist.broadcast,
+            ident,
+            src=src,
+            group=group,
+            what="save token broadcast",
+            timeout=timedelta(seconds=to_seconds(timeout)),
+            rank=dist.get_rank(),
+        )
     return SaveToken(int(ident.item()), int(step))
 
 
@@ -211,9 +217,15 @@ def load_rank_state(
         row = torch.tensor([error is not None, mine.id, mine.step], dtype=torch.int64)
         row = row.to(_device(group))
         table = [torch.empty_like(row) for _ in range(world)]
-        collective(dist.all_gather, table, row, group=group, what="rank file agreement",
-                   timeout=timedelta(seconds=to_seconds(timeout)),
-                   rank=dist.get_rank())  # fmt: skip
+        collective(
+            dist.all_gather,
+            table,
+            row,
+            group=group,
+            what="rank file agreement",
+            timeout=timedelta(seconds=to_seconds(timeout)),
+            rank=dist.get_rank(),
+        )
         rows = [t.tolist() for t in table]
         failed = [r for r, (bad, _, _) in enumerate(rows) if bad]
         if error is not None:
@@ -260,5 +272,11 @@ def wait_for_ranks(
     if rank_and_world(group)[1] == 1:
         return
     flag = torch.ones(1, dtype=torch.int64).to(_device(group))
-    collective(dist.all_reduce, flag, group=group, what=what,
-               timeout=timedelta(seconds=to_seconds(timeout)), rank=dist.get_rank())  # fmt: skip
+    collective(
+        dist.all_reduce,
+        flag,
+        group=group,
+        what=what,
+        timeout=timedelta(seconds=to_seconds(timeout)),
+        rank=dist.get_rank(),
+    )

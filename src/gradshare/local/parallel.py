@@ -373,13 +373,35 @@ def _stats(
     s = acc.last_stats[w]
     if acc.dense or s is None:
         return StepStats(
-            epoch, iteration, w, loss, None, "dense", 1.0, 4 * numel, 4 * numel, 0.0, 0.0,
-            compute, share,
-        )  # fmt: skip
+            epoch=epoch,
+            iteration=iteration,
+            worker=w,
+            loss=loss,
+            threshold=None,
+            format="dense",
+            density=1.0,
+            message_bytes=4 * numel,
+            dense_bytes=4 * numel,
+            residual_norm=0.0,
+            clipped=0.0,
+            compute_s=compute,
+            share_s=share,
+        )
     return StepStats(
-        epoch, iteration, w, loss, s.threshold, s.format, s.density, s.message_bytes,
-        s.dense_bytes, s.residual_norm, s.clipped, compute, share,
-    )  # fmt: skip
+        epoch=epoch,
+        iteration=iteration,
+        worker=w,
+        loss=loss,
+        threshold=s.threshold,
+        format=s.format,
+        density=s.density,
+        message_bytes=s.message_bytes,
+        dense_bytes=s.dense_bytes,
+        residual_norm=s.residual_norm,
+        clipped=s.clipped,
+        compute_s=compute,
+        share_s=share,
+    )
 
 
 def _first_error(futures: list[Future[StepStats]]) -> BaseException:

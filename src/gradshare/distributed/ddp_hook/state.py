@@ -151,8 +151,12 @@ class ThresholdHookState:
             "reduction": o.reduce("mean"),
         }
         if not o.dense:
-            settings.update(threshold=o.algorithm(), magnitude=o.magnitude, boundary=o.boundary,
-                            post_processor=o.post_processor)  # fmt: skip
+            settings.update(
+                threshold=o.algorithm(),
+                magnitude=o.magnitude,
+                boundary=o.boundary,
+                post_processor=o.post_processor,
+            )
         return settings
 
     def end_of_pass(self) -> None:
