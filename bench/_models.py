@@ -90,8 +90,10 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 def adamw(params: list[nn.Parameter]) -> torch.optim.Optimizer:
     """AdamW as GPTs are trained: lr 1e-3, betas 0.9/0.95, weight decay 0.1 on matrices only."""
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]  # fmt: skip
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
     return torch.optim.AdamW(groups, lr=1e-3, betas=(0.9, 0.95))
 
 

@@ -48,9 +48,15 @@ RESULTS = Path(__file__).resolve().parent / "results"
 GRADSHARE = {"gradshare adaptive": "adaptive:1e-3", "gradshare fixed": "fixed:2e-3"}
 """The threshold of each built-in gradshare method (``gradshare train --threshold`` syntax)."""
 METHODS = [
-    "dense", "gradshare adaptive", "gradshare adaptive+clip", "gradshare fixed",
-    "gradshare fixed+clip", "fp16", "powersgd-1", "powersgd-4",
-]  # fmt: skip
+    "dense",
+    "gradshare adaptive",
+    "gradshare adaptive+clip",
+    "gradshare fixed",
+    "gradshare fixed+clip",
+    "fp16",
+    "powersgd-1",
+    "powersgd-4",
+]
 
 
 @dataclass
@@ -122,8 +128,9 @@ def _rank(
             sent = 2 * 4 * numel + (steps - 2) * powersgd_bytes(net, r)  # 2 dense iterations
         else:
             sent = steps * per_step[method]
-        rows.append({"method": method, "accuracy": accuracy, "sent": sent,
-                     "dense": steps * 4 * numel})  # fmt: skip
+        rows.append(
+            {"method": method, "accuracy": accuracy, "sent": sent, "dense": steps * 4 * numel}
+        )
     if rank == 0:
         Path(out).write_text(json.dumps(rows))
     dist.destroy_process_group()
@@ -138,11 +145,19 @@ def plot(rows: list[Row], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(8, 5))
     for r in rows:
         ax.errorbar(r.bytes_sent, r.accuracy, yerr=r.accuracy_std, fmt="o", capsize=3)
-        ax.annotate(r.method, (r.bytes_sent, r.accuracy), fontsize=8, xytext=(4, 4),
-                    textcoords="offset points")  # fmt: skip
+        ax.annotate(
+            r.method,
+            (r.bytes_sent, r.accuracy),
+            fontsize=8,
+            xytext=(4, 4),
+            textcoords="offset points",
+        )
     ax.set_xscale("log")
-    ax.set(xlabel="bytes sent by one rank, whole run (log)", ylabel="test accuracy",
-           title="digits MLP: accuracy (mean ± sd over seeds) vs bytes sent")  # fmt: skip
+    ax.set(
+        xlabel="bytes sent by one rank, whole run (log)",
+        ylabel="test accuracy",
+        title="digits MLP: accuracy (mean ± sd over seeds) vs bytes sent",
+    )
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -155,10 +170,21 @@ def main(argv: list[str] | None = None) -> list[Row]:
     parser.add_argument("--epochs", type=int, default=12)
     parser.add_argument("--lr", type=float, default=0.2)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS, metavar="M",
-                        help="a subset of: " + ", ".join(METHODS))  # fmt: skip
-    parser.add_argument("--gradshare", nargs="+", default=[], metavar="SPEC",
-                        help="more hook settings, e.g. adaptive:1e-2 target:2e-2")  # fmt: skip
+    parser.add_argument(
+        "--methods",
+        nargs="+",
+        default=METHODS,
+        choices=METHODS,
+        metavar="M",
+        help="a subset of: " + ", ".join(METHODS),
+    )
+    parser.add_argument(
+        "--gradshare",
+        nargs="+",
+        default=[],
+        metavar="SPEC",
+        help="more hook settings, e.g. adaptive:1e-2 target:2e-2",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS / "convergence.json")
     args = parser.parse_args(argv)
     methods = [*args.methods, *(f"gradshare {spec}" for spec in args.gradshare)]
@@ -175,18 +201,26 @@ def main(argv: list[str] | None = None) -> list[Row]:
         mine = [r for r in runs if r["method"] == method]
         accuracies = [r["accuracy"] for r in mine]
         sent = round(statistics.mean(r["sent"] for r in mine))
-        rows.append(Row(method, statistics.mean(accuracies),
-                        statistics.pstdev(accuracies), accuracies, sent,
-                        statistics.mean(r["dense"] for r in mine) / sent))  # fmt: skip
+        mean, sd = statistics.mean(accuracies), statistics.pstdev(accuracies)
+        ratio = statistics.mean(r["dense"] for r in mine) / sent
+        rows.append(Row(method, mean, sd, accuracies, sent, ratio))
     print(f"{'method':<26} {'accuracy (mean ± sd)':>21} {'bytes sent':>14} {'vs dense':>9}")
     for r in rows:
-        print(f"{r.method:<26} {r.accuracy:>12.4f} ± {r.accuracy_std:.4f} {r.bytes_sent:>14,} "
-              f"{r.compression_ratio:>8.1f}x")  # fmt: skip
+        print(
+            f"{r.method:<26} {r.accuracy:>12.4f} ± {r.accuracy_std:.4f} {r.bytes_sent:>14,} "
+            f"{r.compression_ratio:>8.1f}x"
+        )
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    settings = {"world": args.world, "epochs": args.epochs, "lr": args.lr, "batch_per_rank": 32,
-                "seeds": args.seeds, "methods": methods}  # fmt: skip
-    args.out.write_text(json.dumps({"environment": environment(), "settings": settings,
-                                    "rows": [asdict(r) for r in rows]}, indent=1))  # fmt: skip
+    settings = {
+        "world": args.world,
+        "epochs": args.epochs,
+        "lr": args.lr,
+        "batch_per_rank": 32,
+        "seeds": args.seeds,
+        "methods": methods,
+    }
+    saved = {"environment": environment(), "settings": settings, "rows": [asdict(r) for r in rows]}
+    args.out.write_text(json.dumps(saved, indent=1))
     plot(rows, args.out.with_suffix(".png"))
     print(f"\nsaved {args.out} and {args.out.with_suffix('.png')}")
     return rows

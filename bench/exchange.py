@@ -94,11 +94,29 @@ from _env import environment, free_port, timed_steps
 from _models import gpt, lm_loss, powersgd_bytes, text, text_batch, vocab_size
 
 RESULTS = Path(__file__).resolve().parent / "results"
-METHODS = ["compute", "dense", "fp16", "powersgd-1", "powersgd-4", "hook", "hook-1%", "shared",
-           "local", "local-overlap", "local-overlap1", "local-overlap2",
-           "local-overlap5", "local-f5-overlap2", "local-f5-overlap1",
-           "local-d2-f5-overlap2", "local-c", "local-f5-overlap2-c",
-           "local-f5-overlap1-c", "local-h30-f5-overlap2", "local-h30-f5-overlap2-c"]  # fmt: skip
+METHODS = [
+    "compute",
+    "dense",
+    "fp16",
+    "powersgd-1",
+    "powersgd-4",
+    "hook",
+    "hook-1%",
+    "shared",
+    "local",
+    "local-overlap",
+    "local-overlap1",
+    "local-overlap2",
+    "local-overlap5",
+    "local-f5-overlap2",
+    "local-f5-overlap1",
+    "local-d2-f5-overlap2",
+    "local-c",
+    "local-f5-overlap2-c",
+    "local-f5-overlap1-c",
+    "local-h30-f5-overlap2",
+    "local-h30-f5-overlap2-c",
+]
 LOCAL_METHOD = re.compile(
     r"^local(-h(?P<h>\d+))?(-d(?P<pct>[\d.]+))?(-f(?P<frags>\d+))?(-overlap(?P<tau>\d+)?)?"
     r"(?P<compact>-c)?$"
@@ -109,8 +127,16 @@ LOCAL_H = 10
 """``sync_every`` of the ``local`` methods without ``-h``."""
 MODELS = ["gpt", "square"]
 LAYERS = 5
-WARMUP = {"dense": 2, "fp16": 2, "powersgd-1": 3, "powersgd-4": 3, "hook": 10, "hook-1%": 10,
-          "shared": 10, "compute": 2}  # fmt: skip
+WARMUP = {
+    "dense": 2,
+    "fp16": 2,
+    "powersgd-1": 3,
+    "powersgd-4": 3,
+    "hook": 10,
+    "hook-1%": 10,
+    "shared": 10,
+    "compute": 2,
+}
 BUDGET_S = 60.0
 """Most seconds of timed steps per method (at least 2 steps are timed)."""
 RATES = ["none", "1gbit", "100mbit"]
@@ -201,9 +227,15 @@ def _method(method: str, rank: int, world: int, model: str, numel: int, steps: i
         every = int(m["h"] or LOCAL_H)
         overlap = (int(m["tau"]) if m["tau"] else True) if "-overlap" in method else False
         extra = {"density": float(m["pct"]) / 100} if m["pct"] else {}
-        local = gradshare.LocalSteps(net, opt, sync_every=every, overlap=overlap,
-                                     fragments=int(m["frags"] or 1), compact=bool(m["compact"]),
-                                     **extra)  # fmt: skip
+        local = gradshare.LocalSteps(
+            net,
+            opt,
+            sync_every=every,
+            overlap=overlap,
+            fragments=int(m["frags"] or 1),
+            compact=bool(m["compact"]),
+            **extra,
+        )
     sent0 = [0]
     spent0 = [0.0, 0.0]  # LocalSteps' sync and wait seconds before the timed steps
 
@@ -219,14 +251,18 @@ def _method(method: str, rank: int, world: int, model: str, numel: int, steps: i
             spent0[:] = [local.sync_seconds, local.wait_seconds]
 
     if local is None:
-        times = timed_steps(step, steps=steps, warmup=WARMUP[method], budget_s=BUDGET_S,
-                            at_warmup=at_warmup)  # fmt: skip
+        times = timed_steps(
+            step, steps=steps, warmup=WARMUP[method], budget_s=BUDGET_S, at_warmup=at_warmup
+        )
     else:  # whole rounds, each ending with its sync, after a first round (and sync) untimed
         rounds = max(2, -(-steps // every))
-        times = timed_steps(step, steps=rounds * every, warmup=every,
-                            budget_s=float("inf"), at_warmup=at_warmup)  # fmt: skip
-        spent = [1e3 * (local.sync_seconds - spent0[0]) / len(times),
-                 1e3 * (local.wait_seconds - spent0[1]) / len(times)]  # fmt: skip
+        times = timed_steps(
+            step, steps=rounds * every, warmup=every, budget_s=float("inf"), at_warmup=at_warmup
+        )
+        spent = [
+            1e3 * (local.sync_seconds - spent0[0]) / len(times),
+            1e3 * (local.wait_seconds - spent0[1]) / len(times),
+        ]
         local.close()  # the last round in flight is merged (not timed)
     n = sum(p.numel() for p in params)
     density = None
@@ -250,8 +286,14 @@ def _method(method: str, rank: int, world: int, model: str, numel: int, steps: i
     # the local methods' steps differ by design (a sync every H-th): their mean over
     # whole rounds; every other method's steps are alike: their median
     ms = (statistics.mean(times) if local is not None else statistics.median(times)) * 1e3
-    row = {"method": method, "numel": n, "ms": ms, "bytes": sent, "density": density,
-           "steps": len(times)}  # fmt: skip
+    row = {
+        "method": method,
+        "numel": n,
+        "ms": ms,
+        "bytes": sent,
+        "density": density,
+        "steps": len(times),
+    }
     if local is not None:
         row["sync_ms"], row["wait_ms"] = spent
     return row
@@ -265,9 +307,16 @@ def _order(methods: list[str], paired: bool) -> list[str]:
 
 
 def _rank(
-    rank: int, world: int, port: int, model: str, numel: int, steps: int, methods: list[str],
-    out: str, paired: bool,
-) -> None:  # fmt: skip
+    rank: int,
+    world: int,
+    port: int,
+    model: str,
+    numel: int,
+    steps: int,
+    methods: list[str],
+    out: str,
+    paired: bool,
+) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     rows = [_method(m, rank, world, model, numel, steps) for m in _order(methods, paired)]
@@ -283,8 +332,12 @@ def inner(
     os.environ["OMP_NUM_THREADS"] = "1"  # as torchrun sets it for several ranks per host
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "rows.json")
-        mp.spawn(_rank, args=(world, free_port(), model, numel, steps, methods, out, paired),
-                 nprocs=world, join=True)  # fmt: skip
+        mp.spawn(
+            _rank,
+            args=(world, free_port(), model, numel, steps, methods, out, paired),
+            nprocs=world,
+            join=True,
+        )
         rows = json.loads(Path(out).read_text())
     compute = [r for r in rows if r["method"] == "compute"]
     floor = min(compute, key=lambda r: r["ms"])  # the faster: a slow moment cannot shrink it
@@ -303,37 +356,38 @@ def shaped_namespace(rate: str) -> Iterator[str]:
     try:
         ns = ["ip", "netns", "exec", name]
         subprocess.run([*ns, "ip", "link", "set", "lo", "up"], check=True, capture_output=True)
-        subprocess.run(
-            [*ns, "tc", "qdisc", "add", "dev", "lo", "root", "tbf", "rate", rate,
-             "burst", "1mb", "latency", "100ms"],
-            check=True, capture_output=True,
-        )  # fmt: skip
+        tbf = f"tc qdisc add dev lo root tbf rate {rate} burst 1mb latency 100ms".split()
+        subprocess.run([*ns, *tbf], check=True, capture_output=True)
         yield name
     finally:
         subprocess.run(["ip", "netns", "delete", name], capture_output=True)
 
 
 def measure(
-    model: str, rate: str, world: int, numel: int, steps: int, methods: list[str],
+    model: str,
+    rate: str,
+    world: int,
+    numel: int,
+    steps: int,
+    methods: list[str],
     paired: bool = False,
-) -> list[Row]:  # fmt: skip
+) -> list[Row]:
     if rate == "none":
         raw = inner(model, world, numel, steps, methods, paired)
     else:
         with shaped_namespace(rate) as ns, tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "rows.json"
-            cmd = ["ip", "netns", "exec", ns, sys.executable, __file__, "--inner", str(world),
-                   "--models", model, "--numel", str(numel), "--steps", str(steps),
-                   "--methods", *methods, "--out", str(out),
-                   *(["--paired"] if paired else [])]  # fmt: skip
+            flags = ["--inner", str(world), "--models", model, "--numel", str(numel)]
+            flags += ["--steps", str(steps), "--methods", *methods, "--out", str(out)]
+            flags += ["--paired"] if paired else []
+            cmd = ["ip", "netns", "exec", ns, sys.executable, __file__, *flags]
             subprocess.run(cmd, check=True, timeout=3600)
             raw = json.loads(out.read_text())
     dense_ms = next((r["ms"] for r in raw if r["method"] == "dense"), None)  # when measured
     rows = []
     for r in raw:
-        row = Row(model, rate, world, r["method"], r["numel"], r["ms"], r["bytes"],
-                  r["density"], r["steps"], sync_ms=r.get("sync_ms"),
-                  wait_ms=r.get("wait_ms"))  # fmt: skip
+        measured = (r["method"], r["numel"], r["ms"], r["bytes"], r["density"], r["steps"])
+        row = Row(model, rate, world, *measured, sync_ms=r.get("sync_ms"), wait_ms=r.get("wait_ms"))
         if r["method"] != "compute":
             row.speedup_vs_dense = None if dense_ms is None else dense_ms / r["ms"]
             row.compute_ms = r["compute_ms"]
@@ -404,8 +458,7 @@ def plot(rows: list[Row], path: Path) -> None:
     fig, axes = plt.subplots(len(models), 1, figsize=(11, 4.2 * len(models)), squeeze=False)
     for ax, model in zip(axes[:, 0], models, strict=True):
         mine = [r for r in rows if r.model == model]
-        groups = sorted({(r.rate, r.world) for r in mine},
-                        key=lambda g: (RATES.index(g[0]), g[1]))  # fmt: skip
+        groups = sorted({(r.rate, r.world) for r in mine}, key=lambda g: (RATES.index(g[0]), g[1]))
         methods = [m for m in METHODS if any(r.method == m for r in mine)]
         width = 0.8 / max(len(methods), 1)
         for k, m in enumerate(methods):
@@ -417,8 +470,9 @@ def plot(rows: list[Row], path: Path) -> None:
                     ys.append(hit[0].ms_per_step)
             ax.bar(xs, ys, width, label=m)
         ax.set_xticks([g + 0.4 - width / 2 for g in range(len(groups))])
-        ax.set_xticklabels([f"{'loopback' if rate == 'none' else rate}, {world} ranks"
-                            for rate, world in groups])  # fmt: skip
+        ax.set_xticklabels(
+            [f"{'loopback' if rate == 'none' else rate}, {world} ranks" for rate, world in groups]
+        )
         ax.set_yscale("log")
         numel = mine[0].numel / 1e6
         ax.set(ylabel="ms per step (log)", title=f"{model}: {numel:.1f}M parameters, AdamW")
@@ -435,12 +489,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rates", nargs="+", default=RATES, choices=RATES)
     parser.add_argument("--numel", type=int, default=25_000_000, help="of the square model")
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--methods", nargs="+", default=METHODS[1:], choices=METHODS[1:],
-                        help="besides compute, which is always measured")  # fmt: skip
+    parser.add_argument(
+        "--methods",
+        nargs="+",
+        default=METHODS[1:],
+        choices=METHODS[1:],
+        help="besides compute, which is always measured",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS / "exchange.json")
-    parser.add_argument("--paired", action="store_true",
-                        help="measure compute between every two methods too, and compare each "
-                             "method with the compute runs just before and after it")  # fmt: skip
+    parser.add_argument(
+        "--paired",
+        action="store_true",
+        help="measure compute between every two methods too, and compare each "
+        "method with the compute runs just before and after it",
+    )
     parser.add_argument("--inner", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.inner is not None:  # inside a shaped namespace
@@ -462,8 +524,8 @@ def main(argv: list[str] | None = None) -> None:
                 rows += measure(
                     model, rate, world, args.numel, args.steps, args.methods, args.paired
                 )
-                print(table([r for r in rows if (r.model, r.rate, r.world) ==
-                             (model, rate, world)]), flush=True)  # fmt: skip
+                mine = [r for r in rows if (r.model, r.rate, r.world) == (model, rate, world)]
+                print(table(mine), flush=True)
     print(table(rows))
     densities = [r.density for r in rows if r.density and r.model == rows[0].model]
     density = statistics.median(densities) if densities else 1e-3
@@ -481,8 +543,10 @@ def main(argv: list[str] | None = None) -> None:
             f"{m['allgather_bitmap']:>18,.0f}"
         )
     crossover = 2 / density
-    print(f"sparse all-gather beats dense all-reduce while world < 2/density = {crossover:,.0f}; "
-          "bitmaps (2 bits/element) only while world < 8")  # fmt: skip
+    print(
+        f"sparse all-gather beats dense all-reduce while world < 2/density = {crossover:,.0f}; "
+        "bitmaps (2 bits/element) only while world < 8"
+    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(
         json.dumps(

@@ -100,9 +100,15 @@ def _train(rank: int, world: int, steps: int, warmup: int, out: str) -> None:
         else:
             sent = 4.0 * numel
         kernel = None if method == "dense" else threads.kernel_threads()
-        rows.append({"method": method, "ms": statistics.median(times) * 1e3, "bytes": sent,
-                     "torch_threads": torch.get_num_threads(),
-                     "kernel_threads": kernel})  # fmt: skip
+        rows.append(
+            {
+                "method": method,
+                "ms": statistics.median(times) * 1e3,
+                "bytes": sent,
+                "torch_threads": torch.get_num_threads(),
+                "kernel_threads": kernel,
+            }
+        )
     if rank == 0:
         Path(out).write_text(json.dumps(rows))
     dist.destroy_process_group()
@@ -118,11 +124,11 @@ def run_launch(launch: str, steps: int, warmup: int) -> list[dict]:
     env = {k: v for k, v in os.environ.items() if k not in TUNING}
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "rows.json")
-        common = [str(Path(__file__).resolve()), "--inner", launch, "--steps", str(steps),
-                  "--warmup", str(warmup), "--out", out]  # fmt: skip
+        flags = ["--inner", launch, "--steps", str(steps), "--warmup", str(warmup), "--out", out]
+        common = [str(Path(__file__).resolve()), *flags]
         if launch == "torchrun":
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   "--nproc_per_node=2", *common]  # fmt: skip
+            torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+            cmd = [sys.executable, *torchrun, *common]
         else:
             cmd = [sys.executable, *common]
         subprocess.run(cmd, check=True, env=env, timeout=1800)
@@ -145,8 +151,9 @@ def table(rows: list[Row]) -> str:
 
 def main(argv: list[str] | None = None) -> list[Row]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--launches", nargs="+", default=["mp.spawn", "torchrun"],
-                        choices=["mp.spawn", "torchrun"])  # fmt: skip
+    parser.add_argument(
+        "--launches", nargs="+", default=["mp.spawn", "torchrun"], choices=["mp.spawn", "torchrun"]
+    )
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--out", type=Path, default=RESULTS / "launch.json")
@@ -157,16 +164,21 @@ def main(argv: list[str] | None = None) -> list[Row]:
         _train(dist.get_rank(), dist.get_world_size(), args.steps, args.warmup, str(args.out))
         return []
     if args.inner == "mp.spawn":  # the parent of mp.spawn's ranks
-        mp.spawn(_spawned, args=(2, free_port(), args.steps, args.warmup, str(args.out)),
-                 nprocs=2, join=True)  # fmt: skip
+        mp.spawn(
+            _spawned,
+            args=(2, free_port(), args.steps, args.warmup, str(args.out)),
+            nprocs=2,
+            join=True,
+        )
         return []
     rows: list[Row] = []
     for launch in args.launches:
         print(f"launch {launch} ...", flush=True)
         raw = run_launch(launch, args.steps, args.warmup)
         dense = next(r["ms"] for r in raw if r["method"] == "dense")
-        rows += [Row(launch, r["method"], r["ms"], r["ms"] / dense, r["torch_threads"],
-                     r["kernel_threads"], r["bytes"]) for r in raw]  # fmt: skip
+        for r in raw:
+            counts = (r["torch_threads"], r["kernel_threads"])
+            rows.append(Row(launch, r["method"], r["ms"], r["ms"] / dense, *counts, r["bytes"]))
     print(table(rows))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(

@@ -144,15 +144,20 @@ def build(name: str, model: nn.Module, opt: torch.optim.Optimizer, steps: int) -
 
     kwargs: dict[str, Any] = {}
     if m["kind"] == "diloco-dense":
-        kwargs = {"dense": True, "outer_optimizer": lambda p: torch.optim.SGD(
-            p, lr=DILOCO_LR, momentum=DILOCO_MOMENTUM, nesterov=True)}  # fmt: skip
+        kwargs = {
+            "dense": True,
+            "outer_optimizer": lambda p: torch.optim.SGD(
+                p, lr=DILOCO_LR, momentum=DILOCO_MOMENTUM, nesterov=True
+            ),
+        }
     else:
         if m["pct"]:
             kwargs["density"] = float(m["pct"]) / 100
         lr = float(m["lr"]) if m["lr"] else None
         if m["nesterov"]:
             kwargs["outer_optimizer"] = lambda p: torch.optim.SGD(
-                p, lr=lr or DILOCO_LR, momentum=DILOCO_MOMENTUM, nesterov=True)  # fmt: skip
+                p, lr=lr or DILOCO_LR, momentum=DILOCO_MOMENTUM, nesterov=True
+            )
         elif m["momentum"]:
             from gradshare.distributed.local_steps import default_outer_lr
 
@@ -179,9 +184,15 @@ def build(name: str, model: nn.Module, opt: torch.optim.Optimizer, steps: int) -
             kwargs["compact"] = True
     sync = gradshare.LocalSteps(model, opt, sync_every=h, **kwargs)
     outer = sync.outer.param_groups[0]
-    settings = {"sync_every": h, "density": sync.density, "decay": sync.decay,
-                "magnitude": sync.options.magnitude, "outer": type(sync.outer).__name__,
-                "outer_lr": outer["lr"], "outer_momentum": outer.get("momentum", 0.0)}  # fmt: skip
+    settings = {
+        "sync_every": h,
+        "density": sync.density,
+        "decay": sync.decay,
+        "magnitude": sync.options.magnitude,
+        "outer": type(sync.outer).__name__,
+        "outer_lr": outer["lr"],
+        "outer_momentum": outer.get("momentum", 0.0),
+    }
     return Method(model, opt, lambda: float(sync.bytes_sent), sync.close, settings)
 
 
@@ -198,14 +209,24 @@ def _torchft(model: nn.Module, opt: torch.optim.Optimizer, h: int, steps: int) -
     port = free_port()
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
     manager = Manager(
-        pg=ProcessGroupGloo(), load_state_dict=None, state_dict=None, min_replica_size=world,
-        use_async_quorum=False, init_sync=False, replica_id=f"r{rank}-{next(_TORCHFT_RUNS)}",
-        rank=0, world_size=1, store_addr="127.0.0.1", store_port=port,
-        lighthouse_addr=os.environ["BENCH_LIGHTHOUSE"], hostname="127.0.0.1",
+        pg=ProcessGroupGloo(),
+        load_state_dict=None,
+        state_dict=None,
+        min_replica_size=world,
+        use_async_quorum=False,
+        init_sync=False,
+        replica_id=f"r{rank}-{next(_TORCHFT_RUNS)}",
+        rank=0,
+        world_size=1,
+        store_addr="127.0.0.1",
+        store_port=port,
+        lighthouse_addr=os.environ["BENCH_LIGHTHOUSE"],
+        hostname="127.0.0.1",
         timeout=timedelta(seconds=120),
-    )  # fmt: skip
-    outer = torch.optim.SGD(model.parameters(), lr=DILOCO_LR, momentum=DILOCO_MOMENTUM,
-                            nesterov=True)  # fmt: skip
+    )
+    outer = torch.optim.SGD(
+        model.parameters(), lr=DILOCO_LR, momentum=DILOCO_MOMENTUM, nesterov=True
+    )
     diloco = DiLoCo(manager, [model], opt, outer, sync_every=h)
     diloco.__enter__()
 
@@ -213,10 +234,16 @@ def _torchft(model: nn.Module, opt: torch.optim.Optimizer, h: int, steps: int) -
         diloco.__exit__(None, None, None)
         manager.shutdown()
 
-    settings = {"sync_every": h, "outer": "SGD", "outer_lr": DILOCO_LR,
-                "outer_momentum": DILOCO_MOMENTUM, "torchft": _version("torchft")}  # fmt: skip
-    return Method(model, opt, lambda: 4.0 * _numel(model) * (steps // h), close, settings,
-                  keep=(store,))  # fmt: skip
+    settings = {
+        "sync_every": h,
+        "outer": "SGD",
+        "outer_lr": DILOCO_LR,
+        "outer_momentum": DILOCO_MOMENTUM,
+        "torchft": _version("torchft"),
+    }
+    return Method(
+        model, opt, lambda: 4.0 * _numel(model) * (steps // h), close, settings, keep=(store,)
+    )
 
 
 def _version(package: str) -> str:
@@ -232,8 +259,9 @@ def _identical(model: nn.Module, world: int) -> bool:
     return all(torch.equal(every[0], f) for f in every[1:])
 
 
-def _run(workload: str, method: str, rank: int, world: int, seed: int, steps: int,
-         data: Data) -> dict:  # fmt: skip
+def _run(
+    workload: str, method: str, rank: int, world: int, seed: int, steps: int, data: Data
+) -> dict:
     w = WORKLOADS[workload]
     model = w.build(data, seed)
     setup = build(method, model, w.optimizer(list(model.parameters())), steps)
@@ -249,13 +277,25 @@ def _run(workload: str, method: str, rank: int, world: int, seed: int, steps: in
     seconds = time.perf_counter() - start
     setup.close()
     identical = _identical(model, world)
-    crc = zlib.crc32(torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-                     .numpy().tobytes())  # fmt: skip
-    return {"workload": workload, "world": world, "steps": steps, "method": method, "seed": seed,
-            "metric": w.evaluate(model, data), "bytes": setup.sent(),
-            "dense": 4.0 * _numel(model) * steps, "numel": _numel(model), "identical": identical,
-            "crc32": crc, "local_steps": setup.settings, "seconds": seconds, "load_start": load,
-            "load_end": os.getloadavg()[0]}  # fmt: skip
+    params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    crc = zlib.crc32(params.numpy().tobytes())
+    return {
+        "workload": workload,
+        "world": world,
+        "steps": steps,
+        "method": method,
+        "seed": seed,
+        "metric": w.evaluate(model, data),
+        "bytes": setup.sent(),
+        "dense": 4.0 * _numel(model) * steps,
+        "numel": _numel(model),
+        "identical": identical,
+        "crc32": crc,
+        "local_steps": setup.settings,
+        "seconds": seconds,
+        "load_start": load,
+        "load_end": os.getloadavg()[0],
+    }
 
 
 def _key(r: dict) -> tuple:
@@ -277,13 +317,22 @@ def _save(out: Path, runs: list[dict], command: str) -> None:
     if command not in commands:
         commands.append(command)
     tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"environment": environment(), "commands": commands,
-                               "runs": merged}, indent=1))  # fmt: skip
+    data = {"environment": environment(), "commands": commands, "runs": merged}
+    tmp.write_text(json.dumps(data, indent=1))
     tmp.replace(out)
 
 
-def _rank(rank: int, world: int, port: int, workload: str, methods: list[str], seeds: list[int],
-          steps: int, out: str, command: str) -> None:  # fmt: skip
+def _rank(
+    rank: int,
+    world: int,
+    port: int,
+    workload: str,
+    methods: list[str],
+    seeds: list[int],
+    steps: int,
+    out: str,
+    command: str,
+) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     data = WORKLOADS[workload].load()
@@ -292,11 +341,13 @@ def _rank(rank: int, world: int, port: int, workload: str, methods: list[str], s
             run = _run(workload, method, rank, world, seed, steps, data)
             if rank == 0:
                 save(Path(out), [run], command)
-                print(f"{workload} w{world} {steps} steps seed {seed} {method}: metric "
-                      f"{run['metric']:.4f} bytes {run['bytes']:,.0f} "
-                      f"({run['dense'] / run['bytes']:.1f}x) identical {run['identical']} "
-                      f"{run['seconds']:.0f} s load {run['load_start']:.1f}",
-                      flush=True)  # fmt: skip
+                print(
+                    f"{workload} w{world} {steps} steps seed {seed} {method}: metric "
+                    f"{run['metric']:.4f} bytes {run['bytes']:,.0f} "
+                    f"({run['dense'] / run['bytes']:.1f}x) identical {run['identical']} "
+                    f"{run['seconds']:.0f} s load {run['load_start']:.1f}",
+                    flush=True,
+                )
     dist.destroy_process_group()
 
 
@@ -331,23 +382,25 @@ def rows(runs: list[dict]) -> list[Row]:
         for m in methods:
             rs = sorted((r for r in mine if r["method"] == m), key=lambda r: r["seed"])
             vals = [r["metric"] for r in rs]
+            seeds = [r["seed"] for r in rs]
             mean = statistics.mean(vals)
             vs = None
             if dense:
                 # compare against dense over the same seeds when they ran
-                d = [r["metric"] for r in mine if r["method"] == "dense"
-                     and r["seed"] in {x["seed"] for x in rs}] or dense  # fmt: skip
+                same = [r["metric"] for r in mine if r["method"] == "dense" and r["seed"] in seeds]
+                d = same or dense
                 higher = WORKLOADS[cfg[0]].higher_is_better
                 vs = mean - statistics.mean(d) if higher else mean / statistics.mean(d)
             sent = statistics.mean(r["bytes"] for r in rs)
             comp = statistics.mean(r["dense"] for r in rs) / sent
             gradshare = m.startswith(("local", "shared")) and not m.endswith("-c")
-            out.append(Row(*cfg, m, mean, statistics.stdev(vals) if len(vals) > 1 else 0.0, vs,
-                           sent, comp, comp * 32 / 14 if gradshare else None,
-                           all(r["identical"] for r in rs),
-                           statistics.mean(r["seconds"] for r in rs),
-                           statistics.mean(r["load_start"] for r in rs),
-                           [r["seed"] for r in rs]))  # fmt: skip
+            sd = statistics.stdev(vals) if len(vals) > 1 else 0.0
+            comp14 = comp * 32 / 14 if gradshare else None
+            identical = all(r["identical"] for r in rs)
+            seconds = statistics.mean(r["seconds"] for r in rs)
+            load = statistics.mean(r["load_start"] for r in rs)
+            row = (m, mean, sd, vs, sent, comp, comp14, identical, seconds, load, seeds)
+            out.append(Row(*cfg, *row))
     return out
 
 
@@ -357,24 +410,35 @@ def table(rs: list[Row]) -> str:
         w = WORKLOADS[cfg[0]]
         vs = "- dense (pts)" if w.higher_is_better else "/ dense"
         lines.append(f"\n{cfg[0]}: {w.title}, {cfg[1]} ranks, {cfg[2]} steps")
-        lines.append(f"{'method':<22} {w.metric:>24} {vs:>13} {'bytes/rank':>14} {'compr.':>8} "
-                     f"{'x@14bit':>8} {'ident.':>6} {'s/run':>6} {'load':>5} seeds")  # fmt: skip
+        lines.append(
+            f"{'method':<22} {w.metric:>24} {vs:>13} {'bytes/rank':>14} {'compr.':>8} "
+            f"{'x@14bit':>8} {'ident.':>6} {'s/run':>6} {'load':>5} seeds"
+        )
         for r in (r for r in rs if (r.workload, r.world, r.steps) == cfg):
-            v = "-" if r.vs_dense is None else (f"{r.vs_dense:+.2f}" if w.higher_is_better
-                                                else f"{r.vs_dense:.4f}")  # fmt: skip
+            if r.vs_dense is None:
+                v = "-"
+            elif w.higher_is_better:
+                v = f"{r.vs_dense:+.2f}"
+            else:
+                v = f"{r.vs_dense:.4f}"
             c14 = "-" if r.compression_14bit is None else f"{r.compression_14bit:.0f}x"
-            lines.append(f"{r.method:<22} {r.metric_mean:>15.4f} ± {r.metric_sd:.4f} {v:>13} "
-                         f"{r.bytes_per_rank:>14,.0f} {r.compression:>7.1f}x {c14:>8} "
-                         f"{r.identical!s:>6} {r.seconds:>6.0f} {r.load:>5.1f} "
-                         f"{','.join(map(str, r.seeds))}")  # fmt: skip
+            lines.append(
+                f"{r.method:<22} {r.metric_mean:>15.4f} ± {r.metric_sd:.4f} {v:>13} "
+                f"{r.bytes_per_rank:>14,.0f} {r.compression:>7.1f}x {c14:>8} "
+                f"{r.identical!s:>6} {r.seconds:>6.0f} {r.load:>5.1f} "
+                f"{','.join(map(str, r.seeds))}"
+            )
     return "\n".join(lines)
 
 
-COLOURS = {"dense": ("DDP (dense)", "black", "o"), "local": ("LocalSteps", "tab:blue", "^"),
-           "diloco": ("LocalSteps dense, Nesterov 0.7/0.9", "tab:purple", "v"),
-           "postlocal": ("torch PostLocalSGD", "tab:orange", "s"),
-           "shared": ("SharedOptimizer(ddp) 1%", "tab:green", "D"),
-           "torchft": ("torchft DiLoCo, Nesterov 0.7/0.9", "tab:red", "P")}  # fmt: skip
+COLOURS = {
+    "dense": ("DDP (dense)", "black", "o"),
+    "local": ("LocalSteps", "tab:blue", "^"),
+    "diloco": ("LocalSteps dense, Nesterov 0.7/0.9", "tab:purple", "v"),
+    "postlocal": ("torch PostLocalSGD", "tab:orange", "s"),
+    "shared": ("SharedOptimizer(ddp) 1%", "tab:green", "D"),
+    "torchft": ("torchft DiLoCo, Nesterov 0.7/0.9", "tab:red", "P"),
+}
 
 
 def plot(rs: list[Row], path: Path) -> None:
@@ -390,22 +454,40 @@ def plot(rs: list[Row], path: Path) -> None:
         labelled = set()
         for r in (r for r in rs if (r.workload, r.world, r.steps) == cfg):
             label, colour, marker = COLOURS[r.method.split("-")[0]]
-            ax.errorbar(r.bytes_per_rank, r.metric_mean, yerr=r.metric_sd, fmt=marker,
-                        color=colour, capsize=3,
-                        label=None if label in labelled else label)  # fmt: skip
+            ax.errorbar(
+                r.bytes_per_rank,
+                r.metric_mean,
+                yerr=r.metric_sd,
+                fmt=marker,
+                color=colour,
+                capsize=3,
+                label=None if label in labelled else label,
+            )
             labelled.add(label)
-            ax.annotate(r.method, (r.bytes_per_rank, r.metric_mean), fontsize=7, xytext=(4, 3),
-                        textcoords="offset points")  # fmt: skip
+            ax.annotate(
+                r.method,
+                (r.bytes_per_rank, r.metric_mean),
+                fontsize=7,
+                xytext=(4, 3),
+                textcoords="offset points",
+            )
             if r.method == "dense":
                 ax.axhline(r.metric_mean, color="grey", linestyle="--", linewidth=1)
                 if not w.higher_is_better:
-                    ax.axhline(r.metric_mean * 1.02, color="red", linestyle=":", linewidth=1,
-                               label="dense + 2%")  # fmt: skip
+                    ax.axhline(
+                        r.metric_mean * 1.02,
+                        color="red",
+                        linestyle=":",
+                        linewidth=1,
+                        label="dense + 2%",
+                    )
         ax.set_xscale("log")
         better = "higher" if w.higher_is_better else "lower"
-        ax.set(xlabel="bytes sent by one rank, whole run (log)",
-               ylabel=f"{w.metric}, mean ± sd ({better} is better)",
-               title=f"{w.title}\n{cfg[1]} ranks, {cfg[2]} steps")  # fmt: skip
+        ax.set(
+            xlabel="bytes sent by one rank, whole run (log)",
+            ylabel=f"{w.metric}, mean ± sd ({better} is better)",
+            title=f"{w.title}\n{cfg[1]} ranks, {cfg[2]} steps",
+        )
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()
@@ -425,15 +507,23 @@ def report(paths: list[Path]) -> list[Row]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workload", choices=["gpt", "cnn"], default="gpt")
-    parser.add_argument("--methods", nargs="+", type=check_method,
-                        default=["dense", "local-H10", "diloco-dense", "shared-ddp"])  # fmt: skip
+    parser.add_argument(
+        "--methods",
+        nargs="+",
+        type=check_method,
+        default=["dense", "local-H10", "diloco-dense", "shared-ddp"],
+    )
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--steps", type=int, help="default: the workload's (gpt 300, cnn 625)")
     parser.add_argument("--world", type=int, default=2, help="ranks (gloo, one host)")
     parser.add_argument("--out", type=Path, default=RESULTS / "local_steps.json")
-    parser.add_argument("--report", type=Path, nargs="+", metavar="JSON",
-                        help="print the tables of these result files and redraw their plots; "
-                        "run nothing")  # fmt: skip
+    parser.add_argument(
+        "--report",
+        type=Path,
+        nargs="+",
+        metavar="JSON",
+        help="print the tables of these result files and redraw their plots; run nothing",
+    )
     args = parser.parse_args(argv)
     if args.report:
         report(args.report)
@@ -446,10 +536,11 @@ def main(argv: list[str] | None = None) -> None:
         from torchft._torchft import LighthouseServer
 
         lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=args.world)
-        os.environ.update(BENCH_LIGHTHOUSE=lighthouse.address(), GLOO_SOCKET_IFNAME="lo",
-                          RUST_LOG="warn")  # fmt: skip
-    mp.spawn(_rank, args=(args.world, free_port(), args.workload, args.methods, args.seeds, steps,
-                          str(args.out), command), nprocs=args.world)  # fmt: skip
+        os.environ.update(
+            BENCH_LIGHTHOUSE=lighthouse.address(), GLOO_SOCKET_IFNAME="lo", RUST_LOG="warn"
+        )
+    plan = (args.workload, args.methods, args.seeds, steps, str(args.out), command)
+    mp.spawn(_rank, args=(args.world, free_port(), *plan), nprocs=args.world)
     if lighthouse is not None:
         lighthouse.shutdown()
     report([args.out])

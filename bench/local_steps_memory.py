@@ -73,8 +73,13 @@ def main() -> None:
     rows = []
     print(f"{'setting':10s} {'built B/param':>14s} {'after syncs B/param':>20s}")
     for setting in SETTINGS:
-        out = subprocess.run([sys.executable, __file__, "--one", setting], check=True,
-                             capture_output=True, text=True, timeout=600).stdout  # fmt: skip
+        out = subprocess.run(
+            [sys.executable, __file__, "--one", setting],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        ).stdout
         row = {"setting": setting, **json.loads(out.strip().splitlines()[-1])}
         rows.append(row)
         print(f"{setting:10s} {row['built']:14.1f} {row['after_syncs']:20.1f}")

@@ -96,8 +96,9 @@ def two_nodes(
     ``rate=None`` leaves the link unshaped.
     """
     token = secrets.token_hex(3)
-    nodes = tuple(Node(f"gsmn{token}{s}", f"gsv{token}{s}", f"{SUBNET}.{i + 1}")
-                  for i, s in enumerate("ab"))  # fmt: skip
+    nodes = tuple(
+        Node(f"gsmn{token}{s}", f"gsv{token}{s}", f"{SUBNET}.{i + 1}") for i, s in enumerate("ab")
+    )
     made: list[str] = []
     try:
         for node in nodes:
@@ -112,11 +113,11 @@ def two_nodes(
             _ip(*ns, "addr", "add", f"{node.addr}/24", "dev", node.veth)
             _ip(*ns, "link", "set", node.veth, "up")
             if rate:
+                tbf = ["tc", "qdisc", "add", "dev", node.veth, "root", "tbf", "rate", rate]
+                tbf += ["burst", burst, "latency", latency]
                 subprocess.run(
-                    [*node.exec(), "tc", "qdisc", "add", "dev", node.veth, "root", "tbf",
-                     "rate", rate, "burst", burst, "latency", latency],
-                    check=True, capture_output=True, text=True, timeout=20,
-                )  # fmt: skip
+                    [*node.exec(), *tbf], check=True, capture_output=True, text=True, timeout=20
+                )
         yield nodes  # type: ignore[misc]
     finally:
         for name in made:
@@ -134,8 +135,9 @@ def tx_bytes(veth: str) -> int:
 def link_tx_bytes(node: Node) -> int:
     """:func:`tx_bytes` of ``node``'s veth, read from outside (``ip netns exec ... cat``)."""
     path = f"/sys/class/net/{node.veth}/statistics/tx_bytes"
-    out = subprocess.run([*node.exec(), "cat", path], check=True, capture_output=True,
-                         text=True, timeout=20)  # fmt: skip
+    out = subprocess.run(
+        [*node.exec(), "cat", path], check=True, capture_output=True, text=True, timeout=20
+    )
     return int(out.stdout)
 
 
@@ -160,19 +162,39 @@ def torchrun_two_nodes(
     try:
         for i, node in enumerate(nodes):
             node_env = {
-                **os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": node.veth,
-                "PYTHONPATH": str(ROOT / "src"), **(env or {}),
-            }  # fmt: skip
-            cmd = [*node.exec(), sys.executable, "-m", "torch.distributed.run",
-                   "--nnodes=2", f"--nproc_per_node={nproc_per_node}",
-                   "--rdzv-backend=c10d", f"--rdzv-endpoint={nodes[0].addr}:{RDZV_PORT}",
-                   f"--rdzv-conf=is_host={int(i == 0)},join_timeout=60",
-                   f"--local-addr={node.addr}", "--max-restarts=0",
-                   str(script), *map(str, args)]  # fmt: skip
+                **os.environ,
+                "OMP_NUM_THREADS": "1",
+                "GLOO_SOCKET_IFNAME": node.veth,
+                "PYTHONPATH": str(ROOT / "src"),
+                **(env or {}),
+            }
+            cmd = [
+                *node.exec(),
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes=2",
+                f"--nproc_per_node={nproc_per_node}",
+                "--rdzv-backend=c10d",
+                f"--rdzv-endpoint={nodes[0].addr}:{RDZV_PORT}",
+                f"--rdzv-conf=is_host={int(i == 0)},join_timeout=60",
+                f"--local-addr={node.addr}",
+                "--max-restarts=0",
+                str(script),
+                *map(str, args),
+            ]
             out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
             logs.append((out, err))
-            procs.append(subprocess.Popen(cmd, stdout=out, stderr=err, text=True, env=node_env,
-                                          cwd=ROOT, start_new_session=True))  # fmt: skip
+            proc = subprocess.Popen(
+                cmd,
+                stdout=out,
+                stderr=err,
+                text=True,
+                env=node_env,
+                cwd=ROOT,
+                start_new_session=True,
+            )
+            procs.append(proc)
         deadline = time.monotonic() + timeout
         codes: list[int] = []
         timed_out = False
@@ -225,8 +247,9 @@ def _worker(method: str, model_size: str, steps: int, out: Path) -> None:
         run = DDP(net)
     elif method == "powersgd-4":
         run = DDP(net, bucket_cap_mb=4096)
-        state = powerSGD_hook.PowerSGDState(None, matrix_approximation_rank=4,
-                                            start_powerSGD_iter=2)  # fmt: skip
+        state = powerSGD_hook.PowerSGDState(
+            None, matrix_approximation_rank=4, start_powerSGD_iter=2
+        )
         run.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
     else:
         opt = gradshare.SharedOptimizer(opt, hierarchical=method == "hierarchical")
@@ -250,11 +273,16 @@ def _worker(method: str, model_size: str, steps: int, out: Path) -> None:
     numel = sum(p.numel() for p in net.parameters())
     sent = getattr(opt, "bytes_sent", None)
     if rank == 0:
-        row = {"method": method, "model": model_size, "numel": numel,
-               "ms": statistics.median(times) * 1e3, "steps": len(times),
-               "link_bytes_per_step": float(link) / len(times),
-               "powersgd_payload": powersgd_bytes(net, 4) if method == "powersgd-4" else None,
-               "rank0_message_bytes_total": sent}  # fmt: skip
+        row = {
+            "method": method,
+            "model": model_size,
+            "numel": numel,
+            "ms": statistics.median(times) * 1e3,
+            "steps": len(times),
+            "link_bytes_per_step": float(link) / len(times),
+            "powersgd_payload": powersgd_bytes(net, 4) if method == "powersgd-4" else None,
+            "rank0_message_bytes_total": sent,
+        }
         out.write_text(json.dumps(row))
     dist.destroy_process_group()
 
@@ -281,8 +309,10 @@ def table(rows: list[dict]) -> str:
             lines.append(f"{r['method']:<13} failed")
             continue
         speed = f"{dense / r['ms']:.2f}x" if dense else "-"
-        lines.append(f"{r['method']:<13} {r['ms']:>9.1f} {speed:>9} "
-                     f"{r['link_bytes_per_step']:>16,.0f} {r['steps']:>6}")  # fmt: skip
+        lines.append(
+            f"{r['method']:<13} {r['ms']:>9.1f} {speed:>9} "
+            f"{r['link_bytes_per_step']:>16,.0f} {r['steps']:>6}"
+        )
     return "\n".join(lines)
 
 
@@ -314,8 +344,8 @@ def main(argv: list[str] | None = None) -> None:
     print(table(rows))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     setup = {"machines": 2, "ranks_per_machine": 2, "rate": args.rate, "warmup": WARMUP}
-    args.out.write_text(json.dumps({"environment": environment(), "setup": setup,
-                                    "rows": rows}, indent=1))  # fmt: skip
+    saved = {"environment": environment(), "setup": setup, "rows": rows}
+    args.out.write_text(json.dumps(saved, indent=1))
     print(f"\nsaved {args.out}")
 
 

@@ -115,8 +115,10 @@ def _gpt_data() -> Data:
 def _validation_loss(model: nn.Module, data: Data) -> float:
     model.eval()
     g = torch.Generator().manual_seed(12345)
-    losses = [float(lm_loss(model(x), y)) for x, y in
-              (text_batch(data["val"], 32, 64, g) for _ in range(8))]  # fmt: skip
+    losses = [
+        float(lm_loss(model(x), y))
+        for x, y in (text_batch(data["val"], 32, 64, g) for _ in range(8))
+    ]
     model.train()
     return statistics.mean(losses)
 
@@ -136,10 +138,17 @@ def _mnist() -> Data:
 def _cnn(data: Data, seed: int) -> nn.Module:
     torch.manual_seed(seed)
     return nn.Sequential(
-        nn.Conv2d(1, 16, 5), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(16, 32, 5), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Flatten(), nn.Linear(512, 48), nn.ReLU(), nn.Linear(48, 10),
-    )  # fmt: skip
+        nn.Conv2d(1, 16, 5),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(16, 32, 5),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(512, 48),
+        nn.ReLU(),
+        nn.Linear(48, 10),
+    )
 
 
 def _digits() -> Data:
@@ -173,23 +182,46 @@ def _sgd(lr: float, momentum: float = 0.0) -> Callable[[list[nn.Parameter]], tor
 
 WORKLOADS = {
     "gpt": Workload(
-        "GPT 0.43M, AdamW + clipping", "validation loss", False, 300, _gpt_data,
-        lambda data, seed: gpt("gpt-0.45m", data["vocab"], seed=seed), adamw,
-        lambda data, g: text_batch(data["train"], 16, 64, g), lm_loss, _validation_loss,
-        clip=1.0, settings="AdamW lr 1e-3 betas 0.9/0.95 wd 0.1 (matrices), clip 1.0, 16x64 "
-        "chars per rank",
+        title="GPT 0.43M, AdamW + clipping",
+        metric="validation loss",
+        higher_is_better=False,
+        steps=300,
+        load=_gpt_data,
+        build=lambda data, seed: gpt("gpt-0.45m", data["vocab"], seed=seed),
+        optimizer=adamw,
+        batch=lambda data, g: text_batch(data["train"], 16, 64, g),
+        loss=lm_loss,
+        evaluate=_validation_loss,
+        clip=1.0,
+        settings="AdamW lr 1e-3 betas 0.9/0.95 wd 0.1 (matrices), clip 1.0, 16x64 chars per rank",
     ),
     "cnn": Workload(
-        "MNIST-5k CNN, momentum SGD", "test accuracy (points)", True, 625, _mnist, _cnn,
-        _sgd(0.03, 0.9), _images, F.cross_entropy, _accuracy,
+        title="MNIST-5k CNN, momentum SGD",
+        metric="test accuracy (points)",
+        higher_is_better=True,
+        steps=625,
+        load=_mnist,
+        build=_cnn,
+        optimizer=_sgd(0.03, 0.9),
+        batch=_images,
+        loss=F.cross_entropy,
+        evaluate=_accuracy,
         settings="SGD lr 0.03 momentum 0.9, 32 per rank; test: last 100 of each digit",
     ),
     "digits": Workload(
-        "digits MLP 64-256-10, SGD", "test accuracy (points)", True, 250, _digits, _mlp,
-        _sgd(0.2), _images, F.cross_entropy, _accuracy,
+        title="digits MLP 64-256-10, SGD",
+        metric="test accuracy (points)",
+        higher_is_better=True,
+        steps=250,
+        load=_digits,
+        build=_mlp,
+        optimizer=_sgd(0.2),
+        batch=_images,
+        loss=F.cross_entropy,
+        evaluate=_accuracy,
         settings="SGD lr 0.2, 32 per rank; gradshare.app.datasets.digits(seed=0) split",
     ),
-}  # fmt: skip
+}
 
 
 # --- methods ---------------------------------------------------------------------------------
@@ -255,11 +287,12 @@ def _exact(reduction: str) -> Callable[..., Setup]:
 def _powersgd(rank: int) -> Callable[..., Setup]:
     def wrap(model: nn.Module, opt: torch.optim.Optimizer) -> Setup:
         net = DDP(model, bucket_cap_mb=4096)  # one bucket
-        state = powerSGD_hook.PowerSGDState(None, matrix_approximation_rank=rank,
-                                            start_powerSGD_iter=2)  # fmt: skip
+        state = powerSGD_hook.PowerSGDState(
+            None, matrix_approximation_rank=rank, start_powerSGD_iter=2
+        )
         net.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
-        return Setup(net, opt, lambda steps: 2 * 4.0 * _numel(model)
-                     + (steps - 2) * powersgd_bytes(model, rank))  # fmt: skip
+        sent = lambda steps: 2 * 4.0 * _numel(model) + (steps - 2) * powersgd_bytes(model, rank)
+        return Setup(net, opt, sent)
 
     return wrap
 
@@ -287,9 +320,11 @@ def _hook_dgc(quantile: float = 0.01, **options: Any) -> Callable[..., Setup]:
             raise Skip("needs an SGD with momentum")
         net = DDP(model)
         state = gradshare.register_threshold_hook(
-            net, threshold=gradshare.QuantileThreshold(quantile), momentum=group["momentum"],
+            net,
+            threshold=gradshare.QuantileThreshold(quantile),
+            momentum=group["momentum"],
             **options,
-        )  # fmt: skip
+        )
         plain = torch.optim.SGD(model.parameters(), lr=group["lr"])
         return Setup(net, plain, lambda steps: float(state.bytes_sent))
 
@@ -376,12 +411,25 @@ def _run(name: str, method: str, rank: int, seed: int, steps: int, data: Data) -
         setup.opt.step()
     seconds = time.perf_counter() - start
     dense = 4.0 * _numel(model) * steps
-    return {"workload": name, "method": method, "seed": seed, "metric": w.evaluate(model, data),
-            "bytes": setup.sent(steps), "dense": dense, "seconds": seconds}  # fmt: skip
+    return {
+        "workload": name,
+        "method": method,
+        "seed": seed,
+        "metric": w.evaluate(model, data),
+        "bytes": setup.sent(steps),
+        "dense": dense,
+        "seconds": seconds,
+    }
 
 
-def _rank(rank: int, port: int, plan: dict[str, list[str]], seeds: list[int],
-          steps: dict[str, int], out: str) -> None:  # fmt: skip
+def _rank(
+    rank: int,
+    port: int,
+    plan: dict[str, list[str]],
+    seeds: list[int],
+    steps: dict[str, int],
+    out: str,
+) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     runs, skipped = [], {}
@@ -426,10 +474,11 @@ def _rows(name: str, methods: list[str], runs: list[dict]) -> list[Row]:
             continue
         values = [r["metric"] for r in mine]
         sent, dense = (statistics.mean(r[k] for r in mine) for k in ("bytes", "dense"))
-        rows.append(Row(name, m, statistics.mean(values),
-                        statistics.stdev(values) if len(values) > 1 else 0.0, sent, dense / sent,
-                        sent / dense if family(m) in ("hook", "shared") else None,
-                        statistics.mean(r["seconds"] for r in mine), len(mine)))  # fmt: skip
+        sd = statistics.stdev(values) if len(values) > 1 else 0.0
+        density = sent / dense if family(m) in ("hook", "shared") else None
+        seconds = statistics.mean(r["seconds"] for r in mine)
+        mean = statistics.mean(values)
+        rows.append(Row(name, m, mean, sd, sent, dense / sent, density, seconds, len(mine)))
     return rows
 
 
@@ -446,11 +495,11 @@ def _merge(
             sys.exit(f"--update: {args.out} ran {n} for {merged_steps[n]} steps, not {k}")
     redone = {(r["workload"], r["method"]) for r in new["runs"]}
     keep = [r for r in old["runs"] if (r["workload"], r["method"]) not in redone]
-    methods = [*old["settings"]["methods"], *(m for m in args.methods
-                                             if m not in old["settings"]["methods"])]  # fmt: skip
+    before = old["settings"]["methods"]
+    methods = [*before, *(m for m in args.methods if m not in before)]
     skipped = [s for s in old["skipped"] if (s["workload"], s["method"]) not in redone]
-    return ({"runs": keep + new["runs"], "skipped": skipped + new["skipped"]}, methods,
-            merged_steps)  # fmt: skip
+    merged = {"runs": keep + new["runs"], "skipped": skipped + new["skipped"]}
+    return merged, methods, merged_steps
 
 
 def _print(name: str, steps: int, seeds: list[int], rows: list[Row]) -> None:
@@ -458,13 +507,17 @@ def _print(name: str, steps: int, seeds: list[int], rows: list[Row]) -> None:
     print(f"\n{name}: {w.title}, {WORLD} ranks, {steps} steps, seeds {seeds}")
     arrow = "higher" if w.higher_is_better else "lower"
     head = f"{w.metric} ({arrow} is better)"
-    print(f"{'method':<17} {head:>34} {'bytes/rank':>14} {'fewer bytes':>12} {'density':>8} "
-          f"{'s/run':>6}")  # fmt: skip
+    print(
+        f"{'method':<17} {head:>34} {'bytes/rank':>14} {'fewer bytes':>12} {'density':>8} "
+        f"{'s/run':>6}"
+    )
     for r in rows:
         density = "-" if r.density is None else f"{r.density:.4f}"
-        print(f"{r.method:<17} {r.metric_mean:>25.3f} ± {r.metric_sd:.3f} "
-              f"{r.bytes_per_rank:>14,.0f} {r.fewer_bytes_than_dense:>11.1f}x {density:>8} "
-              f"{r.seconds_per_run:>6.1f}")  # fmt: skip
+        print(
+            f"{r.method:<17} {r.metric_mean:>25.3f} ± {r.metric_sd:.3f} "
+            f"{r.bytes_per_rank:>14,.0f} {r.fewer_bytes_than_dense:>11.1f}x {density:>8} "
+            f"{r.seconds_per_run:>6.1f}"
+        )
 
 
 def plot(name: str, steps: int, seeds: list[int], rows: list[Row], path: Path) -> None:
@@ -479,18 +532,32 @@ def plot(name: str, steps: int, seeds: list[int], rows: list[Row], path: Path) -
     labelled = set()
     for r in rows:
         label, colour, marker = FAMILIES[family(r.method)]
-        ax.errorbar(r.bytes_per_rank, r.metric_mean, yerr=r.metric_sd, fmt=marker, color=colour,
-                    capsize=3, label=None if label in labelled else label)  # fmt: skip
+        ax.errorbar(
+            r.bytes_per_rank,
+            r.metric_mean,
+            yerr=r.metric_sd,
+            fmt=marker,
+            color=colour,
+            capsize=3,
+            label=None if label in labelled else label,
+        )
         labelled.add(label)
-        ax.annotate(r.method, (r.bytes_per_rank, r.metric_mean), fontsize=8, xytext=(4, 4),
-                    textcoords="offset points")  # fmt: skip
+        ax.annotate(
+            r.method,
+            (r.bytes_per_rank, r.metric_mean),
+            fontsize=8,
+            xytext=(4, 4),
+            textcoords="offset points",
+        )
         if r.method == "dense":
             ax.axhline(r.metric_mean, color="grey", linestyle="--", linewidth=1)
     ax.set_xscale("log")
     better = "higher" if w.higher_is_better else "lower"
-    ax.set(xlabel="bytes sent by one rank, whole run (log)",
-           ylabel=f"{w.metric}, mean ± sd ({better} is better)",
-           title=f"{w.title}\n{WORLD} ranks, {steps} steps, seeds {seeds}")  # fmt: skip
+    ax.set(
+        xlabel="bytes sent by one rank, whole run (log)",
+        ylabel=f"{w.metric}, mean ± sd ({better} is better)",
+        title=f"{w.title}\n{WORLD} ranks, {steps} steps, seeds {seeds}",
+    )
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -502,8 +569,14 @@ def main(argv: list[str] | None = None) -> dict[str, list[Row]]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
     names = ", ".join(METHODS).replace("%", "%%")  # argparse %-formats help
-    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS,
-                        metavar="M", help=f"a subset of: {names}")  # fmt: skip
+    parser.add_argument(
+        "--methods",
+        nargs="+",
+        default=list(METHODS),
+        choices=METHODS,
+        metavar="M",
+        help=f"a subset of: {names}",
+    )
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--steps", type=int, help="overrides every workload's default steps")
     parser.add_argument("--out", type=Path, default=RESULTS / "workloads.json")
@@ -533,15 +606,29 @@ def main(argv: list[str] | None = None) -> dict[str, list[Row]]:
     for n in steps:
         _print(n, steps[n], args.seeds, rows[n])
         plot(n, steps[n], args.seeds, rows[n], args.out.with_name(f"{args.out.stem}_{n}.png"))
-    settings = {"world": WORLD, "seeds": args.seeds, "methods": methods,
-                "workloads": {n: {"title": WORKLOADS[n].title, "metric": WORKLOADS[n].metric,
-                                  "higher_is_better": WORKLOADS[n].higher_is_better,
-                                  "steps": steps[n], "settings": WORKLOADS[n].settings}
-                              for n in steps}}  # fmt: skip
-    args.out.write_text(json.dumps({"environment": environment(), "settings": settings,
-                                    "rows": {n: [asdict(r) for r in rows[n]] for n in rows},
-                                    "skipped": result["skipped"], "runs": result["runs"]},
-                                   indent=1))  # fmt: skip
+    settings = {
+        "world": WORLD,
+        "seeds": args.seeds,
+        "methods": methods,
+        "workloads": {
+            n: {
+                "title": WORKLOADS[n].title,
+                "metric": WORKLOADS[n].metric,
+                "higher_is_better": WORKLOADS[n].higher_is_better,
+                "steps": steps[n],
+                "settings": WORKLOADS[n].settings,
+            }
+            for n in steps
+        },
+    }
+    saved = {
+        "environment": environment(),
+        "settings": settings,
+        "rows": {n: [asdict(r) for r in rows[n]] for n in rows},
+        "skipped": result["skipped"],
+        "runs": result["runs"],
+    }
+    args.out.write_text(json.dumps(saved, indent=1))
     print(f"\nsaved {args.out} and {args.out.stem}_<workload>.png")
     return rows
 

@@ -151,9 +151,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lr", type=float, default=0.2)
     parser.add_argument("--threshold", type=float, default=1e-3, help="adaptive, initial value")
     parser.add_argument(
-        "--share", choices=["gradients", "local"], default="gradients",
+        "--share",
+        choices=["gradients", "local"],
+        default="gradients",
         help="the DDP hook, or LocalSteps (no all-reduce; sparse syncs every --sync-every)",
-    )  # fmt: skip
+    )
     parser.add_argument("--sync-every", type=int, default=10, help="--share local: H")
     parser.add_argument("--checkpoint-dir", type=Path, help="where --save-at saves")
     parser.add_argument("--save-at", type=int, help="save_state after this many steps")

@@ -63,8 +63,12 @@ def build(args: argparse.Namespace, output_dir: Path) -> Trainer:
         ddp_find_unused_parameters=False,
     )
     trainer = Trainer(model=GPT2LMHeadModel(config), args=training, train_dataset=data)
-    local = {"sync_every": args.sync_every, "overlap": args.overlap or False,
-             "fragments": args.fragments, "compact": args.compact}  # fmt: skip
+    local = {
+        "sync_every": args.sync_every,
+        "overlap": args.overlap or False,
+        "fragments": args.fragments,
+        "compact": args.compact,
+    }
     GradshareCallback(share=args.share, timeout=args.timeout, **local).attach(trainer)  # the line
     return trainer
 
@@ -92,20 +96,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=0,
         help="--share local: steps each sync's exchange runs behind (0: none)",
     )
-    parser.add_argument("--fragments", type=int, default=1,
-                        help="--share local: parts of the model synced in turn")  # fmt: skip
-    parser.add_argument("--compact", action=argparse.BooleanOptionalAction, default=True,
-                        help="--share local: sparse messages in their compact form")  # fmt: skip
+    parser.add_argument(
+        "--fragments", type=int, default=1, help="--share local: parts of the model synced in turn"
+    )
+    parser.add_argument(
+        "--compact",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="--share local: sparse messages in their compact form",
+    )
     parser.add_argument("--lr", type=float, help="default: 0.3 (SGD, gradients), 3e-3 (AdamW)")
-    parser.add_argument("--timeout", type=float, default=300.0,
-                        help="seconds a rank waits for a hung one")  # fmt: skip
+    parser.add_argument(
+        "--timeout", type=float, default=300.0, help="seconds a rank waits for a hung one"
+    )
     parser.add_argument("--save-steps", type=int, help="save a checkpoint every this many steps")
     parser.add_argument("--output-dir", type=Path, default=Path("hf_trainer_out"))
     parser.add_argument("--resume", type=Path, help="a checkpoint-N folder to resume from")
     parser.add_argument(
-        "--check-resume", type=int, metavar="K",
+        "--check-resume",
+        type=int,
+        metavar="K",
         help="then resume from checkpoint-K in these processes: the same end",
-    )  # fmt: skip
+    )
     parser.add_argument("--out", type=Path, help="write the final flat parameters here")
     args = parser.parse_args(argv)
     if args.lr is None:
@@ -123,8 +135,9 @@ def run(args: argparse.Namespace) -> None:
     trainer.train(resume_from_checkpoint=None if args.resume is None else str(args.resume))
     params = flat(trainer)
     check_replicas(params)
-    callback = next(c for c in trainer.callback_handler.callbacks
-                    if isinstance(c, GradshareCallback))  # fmt: skip
+    callback = next(
+        c for c in trainer.callback_handler.callbacks if isinstance(c, GradshareCallback)
+    )
     assert callback.shared is not None
     metrics = callback.shared.metrics()
     if args.check_resume:
@@ -136,8 +149,8 @@ def run(args: argparse.Namespace) -> None:
         if trainer.is_world_process_zero():
             print(f"resumed from step {args.check_resume}: the same parameters, bit for bit")
     if trainer.is_world_process_zero():
-        logged = [k for k in ("bytes_sent", "compression", "density", "threshold")
-                  if any(k in h for h in trainer.state.log_history)]  # fmt: skip
+        keys = ("bytes_sent", "compression", "density", "threshold")
+        logged = [k for k in keys if any(k in h for h in trainer.state.log_history)]
         print(f"logged: {', '.join(logged)}")
         sent, dense = int(metrics["bytes_sent"]), int(metrics["dense_bytes"])
         print(
@@ -152,8 +165,13 @@ def main() -> None:
     args = parse_args()
     if "LOCAL_RANK" not in os.environ:  # a plain run: start again on 2 processes
         os.environ.setdefault("OMP_NUM_THREADS", "1")
-        torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                    "--nproc_per_node=2"]  # fmt: skip
+        torchrun = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+        ]
         os.execv(sys.executable, [*torchrun, __file__, *sys.argv[1:]])
     run(args)
     dist.destroy_process_group()

@@ -98,9 +98,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lr", type=float, default=0.2)
     parser.add_argument("--threshold", type=float, default=1e-3, help="adaptive, initial value")
     parser.add_argument(
-        "--share", choices=["gradients", "updates", "local"], default="gradients",
+        "--share",
+        choices=["gradients", "updates", "local"],
+        default="gradients",
         help="the DDP hook, SharedOptimizer (the optimizer's updates), or LocalSteps",
-    )  # fmt: skip
+    )
     parser.add_argument("--sync-every", type=int, default=10, help="--share local: H")
     parser.add_argument(
         "--overlap",
@@ -108,25 +110,33 @@ def main(argv: list[str] | None = None) -> None:
         default=0,
         help="--share local: steps each sync's exchange runs behind (0: none)",
     )
-    parser.add_argument("--fragments", type=int, default=1,
-                        help="--share local: parts of the model synced in turn")  # fmt: skip
-    parser.add_argument("--compact", action=argparse.BooleanOptionalAction, default=True,
-                        help="--share local: sparse messages in their compact form")  # fmt: skip
+    parser.add_argument(
+        "--fragments", type=int, default=1, help="--share local: parts of the model synced in turn"
+    )
+    parser.add_argument(
+        "--compact",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="--share local: sparse messages in their compact form",
+    )
     parser.add_argument("--checkpoint-dir", type=Path, help="save a checkpoint every epoch")
     parser.add_argument("--resume", type=Path, help="a checkpoint to resume the fit from")
     parser.add_argument("--out", type=Path, help="write the final flat parameters here")
     parser.add_argument(
-        "--resume-without-rank-files", action="store_true",
+        "--resume-without-rank-files",
+        action="store_true",
         help="resume a checkpoint saved without gradshare (plain ddp): empty residuals",
-    )  # fmt: skip
+    )
     args = parser.parse_args(argv)
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     if args.share == "local":  # LocalSteps' own threshold: a quantile of each sync's moves
-        sharing: dict[str, Any] = {"sync_every": args.sync_every,
-                                   "overlap": args.overlap or False,
-                                   "fragments": args.fragments,
-                                   "compact": args.compact}  # fmt: skip
+        sharing: dict[str, Any] = {
+            "sync_every": args.sync_every,
+            "overlap": args.overlap or False,
+            "fragments": args.fragments,
+            "compact": args.compact,
+        }
     else:
         sharing = {"threshold": AdaptiveThreshold(args.threshold)}
     strategy = GradshareDDPStrategy(

@@ -55,11 +55,11 @@ def init_distributed() -> None:
         dist.init_process_group("gloo")
         return
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                          is_master=False, timeout=timedelta(seconds=300))  # fmt: skip
-    dist.init_process_group("gloo", store=dist.PrefixStore(f"attempt{attempt}/", store),
-                            rank=int(os.environ["RANK"]),
-                            world_size=int(os.environ["WORLD_SIZE"]))  # fmt: skip
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    store = dist.TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=300))
+    attempt_store = dist.PrefixStore(f"attempt{attempt}/", store)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", store=attempt_store, rank=rank, world_size=world)
 
 
 def resume(ckpt: Path, model, inner, sync, rank: int, world: int) -> tuple[int, bool]:
@@ -94,8 +94,12 @@ def main() -> None:
     parser.add_argument("--checkpoint-dir", type=Path, default=None)
     parser.add_argument("--save-every", type=int, default=10)
     parser.add_argument("--out", type=str, default=None, help="rank 0 saves the parameters here")
-    parser.add_argument("--crash-at-step", type=int, default=None,
-                        help="the last rank dies at this step (first attempt only)")  # fmt: skip
+    parser.add_argument(
+        "--crash-at-step",
+        type=int,
+        default=None,
+        help="the last rank dies at this step (first attempt only)",
+    )
     args = parser.parse_args()
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -131,8 +135,11 @@ def main() -> None:
                 print(f"replicas {'identical' if same else 'DIFFER'} after the first sync")
         done = step + 1
         if args.checkpoint_dir is not None and done % args.save_every == 0:
-            state = {"model": model.state_dict(), "inner": inner.state_dict(),
-                     "sync": sync.state_dict()}  # fmt: skip
+            state = {
+                "model": model.state_dict(),
+                "inner": inner.state_dict(),
+                "sync": sync.state_dict(),
+            }
             save(args.checkpoint_dir, done, rank, state)
         if rank == 0 and (done % 50 == 0 or done == steps):
             print(f"step {done:4d}  loss {loss.item():.4f}  syncs {sync.syncs}")

@@ -61,11 +61,11 @@ def init_distributed() -> None:
         dist.init_process_group("gloo")
         return
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                          is_master=False, timeout=timedelta(seconds=300))  # fmt: skip
-    dist.init_process_group("gloo", store=dist.PrefixStore(f"attempt{attempt}/", store),
-                            rank=int(os.environ["RANK"]),
-                            world_size=int(os.environ["WORLD_SIZE"]))  # fmt: skip
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    store = dist.TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=300))
+    attempt_store = dist.PrefixStore(f"attempt{attempt}/", store)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", store=attempt_store, rank=rank, world_size=world)
 
 
 def main() -> None:

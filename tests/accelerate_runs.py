@@ -64,8 +64,8 @@ def main() -> None:
     for name, share in (("gradients", []), ("local", LOCAL)):
         (tmp / name).mkdir(parents=True, exist_ok=True)
         ckpt = tmp / name / "ckpt"
-        run(f"{name}-straight", *share, *STEPS, "--save-at", "25", "--checkpoint-dir", ckpt,
-            "--out", tmp / name / "straight.pt")  # fmt: skip
+        saving = ["--save-at", "25", "--checkpoint-dir", ckpt]
+        run(f"{name}-straight", *share, *STEPS, *saving, "--out", tmp / name / "straight.pt")
         run(f"{name}-resumed", *share, *STEPS, "--resume", ckpt, "--out", tmp / name / "resumed.pt")
     cut = tmp / "cut" / "ckpt"
     shutil.copytree(tmp / "gradients" / "ckpt", cut)

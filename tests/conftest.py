@@ -62,12 +62,22 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 SECONDS = {
-    "test_integrations": 150, "test_hf_trainer": 125, "test_examples": 80,
-    "test_distributed": 60, "test_threads": 50, "test_multinode": 50, "test_train": 45,
-    "test_local_steps_example": 35, "test_kernels": 35, "test_ddp_hook": 30,
-    "test_agreement": 30, "test_codec": 25, "test_local_steps": 25, "test_docs": 20,
+    "test_integrations": 150,
+    "test_hf_trainer": 125,
+    "test_examples": 80,
+    "test_distributed": 60,
+    "test_threads": 50,
+    "test_multinode": 50,
+    "test_train": 45,
+    "test_local_steps_example": 35,
+    "test_kernels": 35,
+    "test_ddp_hook": 30,
+    "test_agreement": 30,
+    "test_codec": 25,
+    "test_local_steps": 25,
+    "test_docs": 20,
     "test_hierarchical": 20,
-}  # fmt: skip
+}
 """Each module's seconds in a fresh clone's run (``--junitxml``, summed per module), as they
 were before launches were folded (2026-12-04): kept as the order, which measured faster
 (314 s and 336 s of pytest from fresh clones) than the order of today's seconds (375 s)."""

@@ -118,8 +118,8 @@ class Overflow(TrainerCallback):
 def between(tmp: Path) -> dict[str, Any]:
     """``between``: the run's error, whether the scaler reached LocalSteps, this rank's scale at
     the end, and whether the replicas are bit-identical then."""
-    trainer = build("--share", "local", "--steps", "7", "--timeout", "20",
-                    "--output-dir", tmp / "between" / "out")  # fmt: skip
+    flags = "--share local --steps 7 --timeout 20".split()
+    trainer = build(*flags, "--output-dir", tmp / "between" / "out")
     trainer.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
     overflow = Overflow(trainer)
     trainer.add_callback(overflow)
@@ -127,9 +127,12 @@ def between(tmp: Path) -> dict[str, Any]:
     params = hf_trainer.flat(trainer)
     gathered = [torch.empty_like(params) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, params)
-    return {"error": error, "reached": overflow.reached,
-            "scale": trainer.accelerator.scaler.get_scale(),
-            "replicas_equal": torch.equal(*gathered)}  # fmt: skip
+    return {
+        "error": error,
+        "reached": overflow.reached,
+        "scale": trainer.accelerator.scaler.get_scale(),
+        "replicas_equal": torch.equal(*gathered),
+    }
 
 
 class Hang(TrainerCallback):
@@ -152,8 +155,8 @@ class Hang(TrainerCallback):
 
 def hang(tmp: Path) -> dict[str, Any]:
     stop = Hang(tmp / "hang-done")
-    trainer = build("--share", "local", "--sync-every", "100", "--steps", "6", "--timeout", "5",
-                    "--output-dir", tmp / "hang" / "out")  # fmt: skip
+    flags = "--share local --sync-every 100 --steps 6 --timeout 5".split()
+    trainer = build(*flags, "--output-dir", tmp / "hang" / "out")
     trainer.add_callback(stop)
     error = error_of(lambda: train(trainer))
     waited = -1.0 if stop.at is None else time.monotonic() - stop.at
@@ -164,10 +167,8 @@ def main() -> None:
     tmp = Path(sys.argv[1])
     said: dict[str, str] = {}
     for name, chosen in PATHS.items():
-        args = hf_trainer.parse_args(
-            [*chosen, "--steps", "10", "--check-resume", "5",
-             "--output-dir", str(tmp / name / "out"), "--out", str(tmp / name / "straight.pt")]
-        )  # fmt: skip
+        paths = ["--output-dir", str(tmp / name / "out"), "--out", str(tmp / name / "straight.pt")]
+        args = hf_trainer.parse_args([*chosen, "--steps", "10", "--check-resume", "5", *paths])
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
             hf_trainer.run(args)

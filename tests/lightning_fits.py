@@ -97,19 +97,31 @@ def scaled_fit() -> dict[str, Any]:
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
     overflow = Overflow()
     trainer = L.Trainer(
-        strategy=GradshareDDPStrategy(share="local", sync_every=2, gradshare_timeout=20,
-                                      process_group_backend="gloo"),
-        plugins=[MixedPrecision("16-mixed", "cpu", scaler)], accelerator="cpu", devices=2,
-        max_epochs=1, limit_train_batches=6, callbacks=[overflow], logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-    )  # fmt: skip
+        strategy=GradshareDDPStrategy(
+            share="local", sync_every=2, gradshare_timeout=20, process_group_backend="gloo"
+        ),
+        plugins=[MixedPrecision("16-mixed", "cpu", scaler)],
+        accelerator="cpu",
+        devices=2,
+        max_epochs=1,
+        limit_train_batches=6,
+        callbacks=[overflow],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     model = lightning_ddp.DigitsMLP(0.2, 32)
     error = fit_error(lambda: trainer.fit(model))
     flat = torch.cat([p.detach().flatten() for p in model.parameters()])
     gathered = [torch.empty_like(flat) for _ in range(WORLD)]
     dist.all_gather(gathered, flat)
-    return {"error": error, "reached": overflow.reached, "scale": scaler.get_scale(),
-            "replicas_equal": torch.equal(*gathered)}  # fmt: skip
+    return {
+        "error": error,
+        "reached": overflow.reached,
+        "scale": scaler.get_scale(),
+        "replicas_equal": torch.equal(*gathered),
+    }
 
 
 def fit_error(action: Callable[[], object]) -> str | None:
@@ -133,12 +145,14 @@ def main() -> None:
     for name, chosen in fits.items():
         ckpt = tmp / name / "ckpt"
         args = [*chosen, *EPOCHS]
-        results[f"{name}-straight"] = fit(*args, "--checkpoint-dir", ckpt,
-                                          "--out", tmp / name / "straight.pt")  # fmt: skip
+        results[f"{name}-straight"] = fit(
+            *args, "--checkpoint-dir", ckpt, "--out", tmp / name / "straight.pt"
+        )
         link = ckpt / "last.ckpt"
         on_rank_zero(partial(link.symlink_to, "step=3.ckpt"))
-        results[f"{name}-resumed"] = fit(*args, "--resume", link,
-                                         "--out", tmp / name / "resumed.pt")  # fmt: skip
+        results[f"{name}-resumed"] = fit(
+            *args, "--resume", link, "--out", tmp / name / "resumed.pt"
+        )
 
     saved = tmp / "spoiled" / "step=3.ckpt"
     args = ["--share", "gradients", *EPOCHS, "--resume", saved]

@@ -57,10 +57,17 @@ def main() -> None:
         share="local", sync_every=100, gradshare_timeout=TIMEOUT, process_group_backend="gloo"
     )
     trainer = L.Trainer(
-        strategy=strategy, accelerator="cpu", devices=2, max_epochs=1, limit_train_batches=6,
-        callbacks=[hang], logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        strategy=strategy,
+        accelerator="cpu",
+        devices=2,
+        max_epochs=1,
+        limit_train_batches=6,
+        callbacks=[hang],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
         enable_model_summary=False,
-    )  # fmt: skip
+    )
     try:
         trainer.fit(DigitsMLP(0.2, 32))
         outcome = "finished the fit"
@@ -69,8 +76,10 @@ def main() -> None:
         raise
     finally:
         waited = -1.0 if hang.at is None else time.monotonic() - hang.at
-        print(f"rank {trainer.global_rank}, {waited:.1f} s after step {HANG_AT}: {outcome}",
-              flush=True)  # fmt: skip
+        print(
+            f"rank {trainer.global_rank}, {waited:.1f} s after step {HANG_AT}: {outcome}",
+            flush=True,
+        )
         Path(sys.argv[1]).write_text("done")
 
 

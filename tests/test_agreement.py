@@ -37,8 +37,9 @@ def _schedule(rank: int, world: int, tmp: str, phase: str) -> torch.Tensor:
     """20 steps of SGD with momentum under a StepLR built on the wrapper: straight
     (``"straight"``), the first 10 then a save (``"save"``), or a resume then the last 10."""
     model = toy_model()
-    opt = SharedOptimizer(torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9),
-                          threshold=FixedThreshold(1e-3))  # fmt: skip
+    opt = SharedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9), threshold=FixedThreshold(1e-3)
+    )
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
     batches = toy_batches(20 * world)[rank::world]
     path = Path(tmp) / f"rank{rank}.pt"
@@ -54,8 +55,10 @@ def _schedule(rank: int, world: int, tmp: str, phase: str) -> torch.Tensor:
         opt.step()
         sched.step()
     if phase == "save":
-        torch.save({"model": model.state_dict(), "opt": opt.state_dict(),
-                    "sched": sched.state_dict()}, path)  # fmt: skip
+        torch.save(
+            {"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict()},
+            path,
+        )
     return flat(model)
 
 
@@ -140,8 +143,13 @@ def _local_steps_case(rank: int, world: int) -> str:
     model = toy_model()
     inner = torch.optim.SGD(model.parameters(), lr=0.1)
     try:
-        LocalSteps(model, inner, sync_every=2, timeout=20,
-                   threshold=FixedThreshold(1e-3 if rank == 0 else 2e-3))  # fmt: skip
+        LocalSteps(
+            model,
+            inner,
+            sync_every=2,
+            timeout=20,
+            threshold=FixedThreshold(1e-3 if rank == 0 else 2e-3),
+        )
     except ValueError as e:
         return str(e)
     return "no error"
@@ -162,11 +170,11 @@ def _stale(rank: int, world: int, front: str) -> str:
     model = toy_model()
     batches = toy_batches(4 * world)[rank::world]
     if front == "shared":
-        opt = SharedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), timeout=20,
-                              threshold=FixedThreshold(1e-3))  # fmt: skip
+        opt = SharedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), timeout=20, threshold=FixedThreshold(1e-3)
+        )
     elif front == "dense":
-        opt = SharedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), timeout=20,
-                              dense=True)  # fmt: skip
+        opt = SharedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), timeout=20, dense=True)
     else:
         model = DistributedDataParallel(model)
         state = register_threshold_hook(model, timeout=20, start_iter=2 if front == "exact" else 0)
@@ -209,10 +217,17 @@ class _Failed:
 def test_a_collective_mismatch_is_reported_as_one(monkeypatch: pytest.MonkeyPatch) -> None:
     """gloo's "size doesn't match" was reported as "a peer raised, was killed, or the network
     is down"."""
-    error = RuntimeError("[enforce fail at pair.cc:456] Received data size doesn't match "
-                         "expected size. Is there a distributed collective mismatch?")  # fmt: skip
+    error = RuntimeError(
+        "[enforce fail at pair.cc:456] Received data size doesn't match "
+        "expected size. Is there a distributed collective mismatch?"
+    )
     monkeypatch.setattr(exchange._inflight, "issue", lambda issue, tensors: _Failed(error))
     with pytest.raises(ExchangeError, match="ranks issued different collectives") as info:
-        exchange.collective(dist.all_gather, torch.zeros(1), timeout=timedelta(seconds=1),
-                            what="size exchange", rank=0)  # fmt: skip
+        exchange.collective(
+            dist.all_gather,
+            torch.zeros(1),
+            timeout=timedelta(seconds=1),
+            what="size exchange",
+            rank=0,
+        )
     assert "settings or steps differ" in str(info.value) and "size doesn't match" in str(info.value)

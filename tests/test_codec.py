@@ -878,8 +878,8 @@ class TestDensePiece:
         assert message.tolist() == [3, 3, 0, 3, 1069547520, -1073741824, 0]
         assert torch.equal(bits(residual), bits(torch.zeros(3)))
         info = message_info(message)
-        assert (info.format_name, info.num_entries, info.numel, info.threshold) == (
-            "dense", 2, 3, 0.0)  # fmt: skip
+        got = (info.format_name, info.num_entries, info.numel, info.threshold)
+        assert got == ("dense", 2, 3, 0.0)
         assert info.nbytes == 4 * codec.dense_length(3) == 28
 
     @pytest.mark.parametrize("path", [contextlib.nullcontext, torch_path])

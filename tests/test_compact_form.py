@@ -120,8 +120,12 @@ class TestDecoders:
 
     def test_multipart_pieces_come_back_sparse(self) -> None:
         a, b = _random_sparse(3000, 0.04, seed=5), _random_sparse(50, 1.0, seed=6)
-        joined = join_messages([compact_message(a), None, compact_message(b)], [3000, 7, 50],
-                               [0.5] * 3, torch.device("cpu"))  # fmt: skip
+        joined = join_messages(
+            [compact_message(a), None, compact_message(b)],
+            [3000, 7, 50],
+            [0.5] * 3,
+            torch.device("cpu"),
+        )
         pieces = split_message(joined, [3000, 7, 50], "rank 1", ["w", "b", "c"])
         assert torch.equal(pieces[0], a) and pieces[1] is None and torch.equal(pieces[2], b)
         broken = joined.clone()
@@ -134,8 +138,9 @@ class TestDecoders:
         the split's pieces unchecked: the kernels dropped it, the torch path wrote element
         N-1); a 2-rank exchange took it without an error."""
         a = _random_sparse(3000, 0.04, seed=5)
-        joined = join_messages([compact_message(a), None], [3000, 7], [0.5] * 2,
-                               torch.device("cpu"))  # fmt: skip
+        joined = join_messages(
+            [compact_message(a), None], [3000, 7], [0.5] * 2, torch.device("cpu")
+        )
         joined[5:].view(torch.uint8)[0] = 0x80
         with pytest.raises(MessageError, match=r"rank 1, piece of parameter w .* byte 0 is 0x80"):
             split_message(joined, [3000, 7], "rank 1", ["w", "b"])
@@ -235,8 +240,9 @@ def test_every_short_tail_as_the_format_says() -> None:
         raw = bytes(payload) + bytes(-len(payload) % 4)
         words = torch.frombuffer(bytearray(raw), dtype=torch.int32)
         for numel in (9, 140, 400):
-            header = torch.tensor([k, numel, 1056964608, COMPACT_ENCODING, len(payload)],
-                                  dtype=torch.int32)  # fmt: skip
+            header = torch.tensor(
+                [k, numel, 1056964608, COMPACT_ENCODING, len(payload)], dtype=torch.int32
+            )
             message = torch.cat([header, words])
             want = _as_the_format_says(payload, numel)
             try:

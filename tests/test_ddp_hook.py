@@ -29,7 +29,7 @@ from gradshare import (
 from gradshare.app.datasets import digits, minibatches, mlp
 from gradshare.codec import MessageError, decode_, multipart
 
-from toys import toy_batches
+from toys import logged, toy_batches
 from world import pooled, spawn
 
 
@@ -92,8 +92,9 @@ def _resumed(model, opt, state, make):  # type: ignore[no-untyped-def]
     """A fresh ``make()`` (model, optimizer, hook state) restored from a checkpoint of
     ``model``, ``opt`` and ``state`` saved through a buffer; returns its model and optimizer."""
     buf = io.BytesIO()
-    torch.save({"model": model.state_dict(), "opt": opt.state_dict(),
-                "hook": state.state_dict()}, buf)  # fmt: skip
+    torch.save(
+        {"model": model.state_dict(), "opt": opt.state_dict(), "hook": state.state_dict()}, buf
+    )
     buf.seek(0)
     saved = torch.load(buf, weights_only=False)
     resumed, resumed_opt, resumed_state = make()
@@ -128,7 +129,27 @@ def _rank_checkpoint(rank: int, world: int) -> bool:
     )
 
 
+def _rank_logged(rank: int, world: int) -> list[tuple[str, str]]:
+    """What the hook logs, DEBUG included, in two iterations (one exact, one encoded)."""
+    with logged() as said:
+        model = DDP(mlp(10, 3, hidden=8, seed=0))
+        model.register_comm_hook(ThresholdHookState(momentum=0.5), threshold_hook)
+        for x, y in toy_batches(2):
+            model.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+    return said
+
+
 class TestThresholdHook:
+    def test_logs_its_configuration_and_each_exchange_at_debug(self) -> None:
+        """The hook said its configuration at its first exchange, and nothing of the
+        exchanges: one INFO line when its state is built, a DEBUG line a bucket."""
+        for said in (r.get() for r in pooled(_rank_logged, 2)):
+            hook = [(level, m) for level, m in said if m.startswith("threshold hook")]
+            assert [level for level, _ in hook] == ["INFO", "DEBUG", "INFO", "DEBUG"], said
+            assert "1 exact iteration(s), momentum 0.5, reduction mean" in hook[0][1], said
+            assert hook[1][1].startswith("threshold hook: iteration 0, bucket 0 sent "), said
+
     def test_conserves_against_plain_ddp(self) -> None:
         for world in (2, 3):
             for r in pooled(_rank_conservation, world, 8):
@@ -149,8 +170,9 @@ class TestThresholdHook:
 def _several_buckets() -> DDP:
     """A model of 2.1 MB in buckets of 0.5 MB: several buckets in every pass."""
     torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 256), nn.ReLU(),
-                        nn.Linear(256, 10))  # fmt: skip
+    net = nn.Sequential(
+        nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 256), nn.ReLU(), nn.Linear(256, 10)
+    )
     return DDP(net, bucket_cap_mb=0.5)
 
 
@@ -230,14 +252,23 @@ def _net(seed: int = 0) -> nn.Module:
     """A model of about 9,500 parameters in 8 tensors: one bucket in a DDP's first iteration,
     three after DDP rebuilds them (``bucket_cap_mb=0.01``)."""
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
-                         nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))  # fmt: skip
+    return nn.Sequential(
+        nn.Linear(16, 64),
+        nn.ReLU(),
+        nn.Linear(64, 64),
+        nn.ReLU(),
+        nn.Linear(64, 64),
+        nn.ReLU(),
+        nn.Linear(64, 4),
+    )
 
 
 def _batches(rank: int, world: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(1)
-    data = [(torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g))
-            for _ in range(count * world)]  # fmt: skip
+    data = [
+        (torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g))
+        for _ in range(count * world)
+    ]
     return data[rank::world]
 
 
@@ -270,8 +301,12 @@ def _rank_resume_several_buckets(rank: int, world: int, steps: int) -> list[bool
 def _rank_replicas(rank: int, world: int, steps: int) -> dict:
     batches = _batches(rank, world, steps)
     out: dict = {}
-    for name, kwargs in [("default", {}), ("zero", {"momentum": 0.0}),
-                         ("dgc", {"momentum": 0.9}), ("mean", {"magnitude": "mean"})]:  # fmt: skip
+    for name, kwargs in [
+        ("default", {}),
+        ("zero", {"momentum": 0.0}),
+        ("dgc", {"momentum": 0.9}),
+        ("mean", {"magnitude": "mean"}),
+    ]:
         model = DDP(_net(), bucket_cap_mb=0.01)
         buckets: set[int] = set()
 
@@ -350,8 +385,7 @@ def _rank_own_conservation(rank: int, world: int, steps: int) -> float:
 
 def _rank_bad_concatenation(rank: int, world: int) -> dict:
     model, local = DDP(_net(), bucket_cap_mb=0.01), _net()
-    state = register_threshold_hook(model, threshold=FixedThreshold(1e-3), start_iter=0,
-                                    timeout=30)  # fmt: skip
+    state = register_threshold_hook(model, threshold=FixedThreshold(1e-3), start_iter=0, timeout=30)
     concatenate, decode_sum = hook_module._concatenate, hook_module.codec.decode_sum_
     decoded: list[int] = []
 
@@ -426,16 +460,17 @@ def _rank_velocity(rank: int, world: int, steps: int) -> bool:
     residual."""
     m, t = 0.9, 1.0
     model = DDP(_TwoLinear())
-    state = register_threshold_hook(model, threshold=FixedThreshold(t), start_iter=0,
-                                    momentum=m)  # fmt: skip
+    state = register_threshold_hook(model, threshold=FixedThreshold(t), start_iter=0, momentum=m)
     u = {"w": torch.zeros(24), "v": torch.zeros(256), "s": torch.zeros(3)}
     r = {"w": torch.zeros(24), "v": torch.zeros(256), "s": torch.zeros(3)}
     g = torch.Generator().manual_seed(rank)
     formats = set()
     for _ in range(steps):
-        grads = {"w": torch.randint(0, 3, (24,), generator=g) * 0.25,
-                 "v": (torch.rand(256, generator=g) < 0.02) * 0.75,
-                 "s": torch.randn(3, generator=g)}  # fmt: skip
+        grads = {
+            "w": torch.randint(0, 3, (24,), generator=g) * 0.25,
+            "v": (torch.rand(256, generator=g) < 0.02) * 0.75,
+            "s": torch.randn(3, generator=g),
+        }
         model.zero_grad()
         model(grads["w"], grads["v"], grads["s"]).backward()
         for name in ("w", "v", "s"):
@@ -449,8 +484,9 @@ def _rank_velocity(rank: int, world: int, steps: int) -> bool:
             formats.add(state.last_stats[place].format)
             residual = state.encoders[place].residual
             assert residual is not None
-            if not (torch.equal(state.velocities[place], u[name])
-                    and torch.equal(residual, r[name])):  # fmt: skip
+            if not (
+                torch.equal(state.velocities[place], u[name]) and torch.equal(residual, r[name])
+            ):
                 return False
     assert formats >= {"bitmap", "sparse", "dense"}, formats
     return True

@@ -35,7 +35,7 @@ from gradshare import (
 from gradshare.app.datasets import mlp
 from gradshare.distributed.hosts import rendezvous_port
 
-from toys import flat, toy_batches
+from toys import flat, logged, toy_batches, toy_model
 from world import pooled, spawn
 
 
@@ -112,8 +112,7 @@ def _rank_ddp_equivalence(rank: int, world: int, batches: list) -> dict:
 
 def _rank_dense(rank: int, world: int, batches: list) -> torch.Tensor:
     model = mlp(10, 3, hidden=16, seed=0)
-    opt = SharedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), dense=True,
-                          reduction="mean")  # fmt: skip
+    opt = SharedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), dense=True, reduction="mean")
     for x, y in batches[rank::world]:
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()
@@ -154,8 +153,9 @@ def _rank_keeps_residual(rank: int, world: int) -> float:
     """The survivor of a lost peer catches the error: its residual must hold what it had plus
     this step's update (its own message goes back), so a checkpoint then loses nothing."""
     model = mlp(10, 3, hidden=16, seed=0)
-    opt = SharedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5), timeout=10,
-                          threshold=FixedThreshold(1e-3))  # fmt: skip
+    opt = SharedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.5), timeout=10, threshold=FixedThreshold(1e-3)
+    )
     for step, (x, y) in enumerate(toy_batches(4 * world)[rank::world]):
         if rank == 1 and step == 2:
             return 0.0  # leaves: the others' exchange fails
@@ -237,8 +237,12 @@ def _rank_conventions(rank: int, world: int) -> dict:
         scaler.step(opt)
         scaler.update()
         sched.step()
-    return {"calls": calls, "lr": opt.param_groups[0]["lr"], "iteration": opt.iteration,
-            "params": flat(model)}  # fmt: skip
+    return {
+        "calls": calls,
+        "lr": opt.param_groups[0]["lr"],
+        "iteration": opt.iteration,
+        "params": flat(model),
+    }
 
 
 def _rank_checkpoint_schema(rank: int, world: int) -> dict:
@@ -253,8 +257,9 @@ def _rank_checkpoint_schema(rank: int, world: int) -> dict:
     saved = opt.state_dict()
     out: dict = {"keys": sorted(saved), "ours": sorted(saved["gradshare"])}
     residual = opt.encoder.residual.clone()  # type: ignore[union-attr]
-    fresh = SharedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2),
-                            threshold=FixedThreshold(1e-3))  # fmt: skip
+    fresh = SharedOptimizer(
+        torch.optim.Adam(model.parameters(), lr=1e-2), threshold=FixedThreshold(1e-3)
+    )
     old = {
         "optimizer": {k: v for k, v in saved.items() if k != "gradshare"},
         **{k: v for k, v in saved["gradshare"].items() if k not in ("world_size", "rank")},
@@ -263,8 +268,9 @@ def _rank_checkpoint_schema(rank: int, world: int) -> dict:
     out["old_schema"] = torch.equal(fresh.encoder.residual, residual)  # type: ignore[union-attr]
     other = copy.deepcopy(saved)
     other["gradshare"]["rank"] = 1 - rank
-    probe = SharedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2),
-                            threshold=FixedThreshold(1e-3))  # fmt: skip
+    probe = SharedOptimizer(
+        torch.optim.Adam(model.parameters(), lr=1e-2), threshold=FixedThreshold(1e-3)
+    )
     try:
         probe.load_state_dict(other)
     except ValueError as e:
@@ -282,7 +288,29 @@ def _rank_checkpoint_schema(rank: int, world: int) -> dict:
 # ---------------------------------------------------------------------- tests
 
 
+def _rank_logged(rank: int, world: int) -> list[tuple[str, str]]:
+    """What a SharedOptimizer logs, DEBUG included, in two steps."""
+    model = toy_model()
+    with logged() as said:
+        opt = SharedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), reduction="mean")
+        for x, y in toy_batches(2):
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+    return said
+
+
 class TestSharedOptimizer:
+    def test_logs_its_configuration_and_each_step_at_debug(self) -> None:
+        """SharedOptimizer declared a logger and said nothing of itself: one INFO line when
+        built, a DEBUG line a step."""
+        for said in (r.get() for r in pooled(_rank_logged, 2)):
+            ours = [(level, m) for level, m in said if m.startswith("SharedOptimizer")]
+            assert [level for level, _ in ours] == ["INFO", "DEBUG", "DEBUG"], said
+            assert ours[0][1].startswith("SharedOptimizer over SGD: 4 parameter tensors"), said
+            assert "world 2" in ours[0][1] and "flat exchange" in ours[0][1], said
+            assert ours[2][1].startswith("SharedOptimizer step 1: sent "), said
+
     @pytest.mark.parametrize("world", [2, 3])
     def test_replicas_bit_identical_after_every_step(self, world: int) -> None:
         results = [r.get() for r in pooled(_rank_train, world, 12)]
@@ -384,8 +412,16 @@ class TestOptimizerConventions:
     def test_state_dict_keeps_torch_schema_and_loads_whole_or_not_at_all(self) -> None:
         for r in (res.get() for res in pooled(_rank_checkpoint_schema, 2)):
             assert r["keys"] == ["gradshare", "param_groups", "state"]
-            assert r["ours"] == ["bytes_sent", "encoder", "format", "hierarchical", "iteration",
-                                 "numel", "rank", "world_size"]  # fmt: skip
+            assert r["ours"] == [
+                "bytes_sent",
+                "encoder",
+                "format",
+                "hierarchical",
+                "iteration",
+                "numel",
+                "rank",
+                "world_size",
+            ]
             assert r["old_schema"]
             assert "saved by rank" in r["other_rank"]
             assert "parameter groups" in r["broken"] and r["untouched"]
@@ -487,10 +523,23 @@ def _launch_two_ranks(script: str, *args: str) -> list[subprocess.Popen]:
     path = str(Path(__file__).resolve().parent / script)
     procs = []
     for rank in (0, 1):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}  # fmt: skip
-        procs.append(subprocess.Popen([sys.executable, path, *args], env=env, text=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))  # fmt: skip
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1",
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, path, *args],
+                env=env,
+                text=True,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+            )
+        )
     return procs
 
 

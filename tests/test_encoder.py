@@ -321,8 +321,13 @@ class TestQuantileThreshold:
         iterations (bitmaps first), then holds."""
         algorithm = QuantileThreshold(density=0.01, warmup=4)
         assert [round(algorithm.density_at(i), 6) for i in range(6)] == [
-            0.25, 0.111803, 0.05, 0.022361, 0.01, 0.01,
-        ]  # fmt: skip
+            0.25,
+            0.111803,
+            0.05,
+            0.022361,
+            0.01,
+            0.01,
+        ]
         g = torch.Generator().manual_seed(3)
         enc = Encoder(algorithm)
         densities = []

@@ -71,10 +71,15 @@ def launched(
         jobs["killed"] = partial(_killed, tmp_path_factory.mktemp("killed"))
     if selected(request, "test_elastic_restart_resumes_to_the_uninterrupted_result"):
         tmp = tmp_path_factory.mktemp("elastic")
-        jobs["elastic"] = partial(
-            torchrun, "torchrun_shared.py", *STEPS, "--checkpoint-dir", tmp / "ckpt",
-            "--crash-at-step", "12", "--out", tmp / "elastic.pt", restarts=1,
-        )  # fmt: skip
+        crash = [
+            "--checkpoint-dir",
+            tmp / "ckpt",
+            "--crash-at-step",
+            "12",
+            "--out",
+            tmp / "elastic.pt",
+        ]
+        jobs["elastic"] = partial(torchrun, "torchrun_shared.py", *STEPS, *crash, restarts=1)
     if selected(request, "test_ddp_hook_example_runs"):
         jobs["ddp_hook"] = partial(torchrun, "ddp_hook.py", "--epochs", "1")
     with ThreadPoolExecutor(max(1, len(jobs))) as pool:

@@ -21,8 +21,11 @@ STEPS, OVERFLOW = 6, 2
 def _scaled(rank: int, world: int, with_ddp: bool) -> dict:
     model = toy_model()
     net = DDP(model) if with_ddp else model
-    opt = SharedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), timeout=10,
-                          **({"ddp": net} if with_ddp else {}))  # fmt: skip
+    opt = SharedOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-2),
+        timeout=10,
+        **({"ddp": net} if with_ddp else {}),
+    )
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
     exchanges = 0
     for step, (x, y) in enumerate(toy_batches(STEPS * world)[rank::world]):

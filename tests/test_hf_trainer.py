@@ -94,10 +94,10 @@ def test_resume_in_new_processes(tmp_path: Path, fits: Fits) -> None:
     in ``<output_dir>/checkpoint-5``, not in the folder Trainer resumed from, and failed
     (with another run's ``checkpoint-5`` there, it loaded that run's files)."""
     straight = fits.tmp / "local"
+    paths = ["--output-dir", tmp_path / "elsewhere", "--resume", straight / "out" / "checkpoint-5"]
     resumed = run_example(
-        "hf_trainer.py", "--share", "local", *STEPS, "--output-dir", tmp_path / "elsewhere",
-        "--resume", straight / "out" / "checkpoint-5", "--out", tmp_path / "r.pt",
-    )  # fmt: skip
+        "hf_trainer.py", "--share", "local", *STEPS, *paths, "--out", tmp_path / "r.pt"
+    )
     assert "step 10: rank 0 sent" in resumed.stdout
     whole = torch.load(straight / "straight.pt", weights_only=True)
     assert torch.equal(whole, torch.load(tmp_path / "r.pt", weights_only=True))

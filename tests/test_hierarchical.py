@@ -39,8 +39,11 @@ def _rank_train(rank: int, world: int, hierarchical: bool | int, steps: int) -> 
     if hierarchical is True:
         _torchrun_env(rank, 2)
     model = mlp(10, 3, hidden=16, seed=rank)  # rank 0's parameters must win
-    opt = SharedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-                          threshold=AdaptiveThreshold(1e-3), hierarchical=hierarchical)  # fmt: skip
+    opt = SharedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+        threshold=AdaptiveThreshold(1e-3),
+        hierarchical=hierarchical,
+    )
     hashes, residuals = [_digest(flat(model))], []
     for x, y in toy_batches(steps * world)[rank::world]:
         opt.zero_grad()
@@ -48,8 +51,12 @@ def _rank_train(rank: int, world: int, hierarchical: bool | int, steps: int) -> 
         opt.step()
         hashes.append(_digest(flat(model)))
         residuals.append(_digest(opt.encoder.residual))  # type: ignore[union-attr,arg-type]
-    return {"hashes": hashes, "residuals": residuals, "bytes": opt.bytes_sent,
-            "mode": opt.state_dict()["gradshare"]["hierarchical"]}  # fmt: skip
+    return {
+        "hashes": hashes,
+        "residuals": residuals,
+        "bytes": opt.bytes_sent,
+        "mode": opt.state_dict()["gradshare"]["hierarchical"],
+    }
 
 
 def _grads(numel: int, steps: int, world: int, sparse: bool) -> torch.Tensor:
@@ -77,8 +84,12 @@ def _rank_exact(rank: int, world: int, numel: int, sparse: bool, reduction: str)
     steps, node_size = 3, 2
     grads = _grads(numel, steps, world, sparse)
     p = torch.nn.Parameter(torch.zeros(numel))
-    opt = SharedOptimizer(torch.optim.SGD([p], lr=1.0), threshold=FixedThreshold(T),
-                          hierarchical=node_size, reduction=reduction)  # type: ignore[arg-type]  # fmt: skip
+    opt = SharedOptimizer(
+        torch.optim.SGD([p], lr=1.0),
+        threshold=FixedThreshold(T),
+        hierarchical=node_size,
+        reduction=reduction,  # type: ignore[arg-type]
+    )
     nodes = world // node_size
     residual = torch.zeros(nodes, numel, dtype=torch.float64)
     expected = torch.zeros(numel, dtype=torch.float64)
@@ -107,8 +118,9 @@ def _rank_exact(rank: int, world: int, numel: int, sparse: bool, reduction: str)
 
 def _rank_corrupt(rank: int, world: int) -> str:
     model = mlp(10, 3, hidden=16, seed=0)
-    opt = SharedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                          threshold=FixedThreshold(1e-4), hierarchical=2)  # fmt: skip
+    opt = SharedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), threshold=FixedThreshold(1e-4), hierarchical=2
+    )
     before = flat(model)
     residual = None
     if rank == 2:  # node 1's leader sends a bad message
@@ -137,8 +149,7 @@ def _rank_corrupt(rank: int, world: int) -> str:
 
 def _rank_failure(rank: int, world: int) -> str:
     model = mlp(10, 3, hidden=16, seed=0)
-    opt = SharedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), hierarchical=2,
-                          timeout=10)  # fmt: skip
+    opt = SharedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), hierarchical=2, timeout=10)
     x, y = toy_batches(4)[rank]
     if rank == 3:
         x = x * float("nan")
@@ -231,11 +242,20 @@ class TestHierarchical:
 
     @pytest.mark.parametrize(
         ("world", "cases", "says"),
-        [(3, ["uneven"], ["whole number of equal nodes"]),
-         (4, ["not consecutive", "no env", "checkpoint", "disagrees"],
-          ["consecutive", "LOCAL_WORLD_SIZE", "hierarchical=2",
-           "`hierarchical=2` disagrees with LOCAL_WORLD_SIZE=4"])],
-    )  # fmt: skip
+        [
+            (3, ["uneven"], ["whole number of equal nodes"]),
+            (
+                4,
+                ["not consecutive", "no env", "checkpoint", "disagrees"],
+                [
+                    "consecutive",
+                    "LOCAL_WORLD_SIZE",
+                    "hierarchical=2",
+                    "`hierarchical=2` disagrees with LOCAL_WORLD_SIZE=4",
+                ],
+            ),
+        ],
+    )
     def test_refusals(self, world: int, cases: list[str], says: list[str]) -> None:
         """Every rank refuses alike (none is left waiting for the others)."""
         for r in pooled(_rank_refusals, world, cases):

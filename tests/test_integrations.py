@@ -37,8 +37,12 @@ def run_script(
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
     return subprocess.run(
         [sys.executable, *launcher, str(path), *map(str, args)],
-        capture_output=True, text=True, timeout=240, env=env, cwd=ROOT,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+        cwd=ROOT,
+    )
 
 
 def run_example(
@@ -125,19 +129,23 @@ def _lightning_fits(tmp: Path) -> dict[str, Any]:
     meanwhile; then the example as a user runs it (Lightning's own launcher starts the
     processes), resuming the local fit from its ``step=3.ckpt`` in new processes."""
     with ThreadPoolExecutor(1) as meanwhile:
-        oracles = {share: meanwhile.submit(plain_ddp, "lightning", 2, 3, share)
-                   for share in ("gradients", "updates")}  # fmt: skip
+        oracles = {
+            share: meanwhile.submit(plain_ddp, "lightning", 2, 3, share)
+            for share in ("gradients", "updates")
+        }
         run = run_script(ROOT / "tests" / "lightning_fits.py", tmp, launcher=TORCHRUN)
         assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
         fits = [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(WORLD)]
         local = tmp / "local"
-        resumed = run_example(
-            "lightning_ddp.py", "--share", "local", "--sync-every", "2", "--steps-per-epoch", "3",
-            "--epochs", "2", "--resume", local / "ckpt" / "step=3.ckpt",
-            "--out", local / "resumed-new.pt",
-        )  # fmt: skip
-        return {"fits": fits, "tmp": tmp, "resumed_new": resumed,
-                "oracles": {s: f.result() for s, f in oracles.items()}}  # fmt: skip
+        flags = "--share local --sync-every 2 --steps-per-epoch 3 --epochs 2".split()
+        paths = ["--resume", local / "ckpt" / "step=3.ckpt", "--out", local / "resumed-new.pt"]
+        resumed = run_example("lightning_ddp.py", *flags, *paths)
+        return {
+            "fits": fits,
+            "tmp": tmp,
+            "resumed_new": resumed,
+            "oracles": {s: f.result() for s, f in oracles.items()},
+        }
 
 
 def _accelerate_runs(tmp: Path) -> dict[str, Any]:
@@ -221,8 +229,8 @@ class TestLightning:
         for fit in ("local-straight", "local-resumed"):
             assert [ranks[fit][1] for ranks in run["fits"]] == [None] * WORLD, run["fits"]
         said = run["fits"][0]["local-straight"][0]
-        assert re.search(r"step 6: rank 0 sent [\d,]+ B vs [\d,]+ B dense \(\d+x less\)",
-                         said), said  # fmt: skip
+        sent = r"step 6: rank 0 sent [\d,]+ B vs [\d,]+ B dense \(\d+x less\)"
+        assert re.search(sent, said), said
         first = run["tmp"] / "local" / "ckpt" / "step=3.ckpt"
         assert_rank_files([lightning_rank_file(first, r) for r in range(WORLD)])
         files = [torch.load(lightning_rank_file(first, r), weights_only=True) for r in range(WORLD)]
@@ -248,8 +256,7 @@ class TestLightning:
         for fit in ("local-overlap-straight", "local-overlap-resumed"):
             assert [ranks[fit][1] for ranks in run["fits"]] == [None] * WORLD, run["fits"]
         first = run["tmp"] / "local-overlap" / "ckpt" / "step=3.ckpt"
-        files = [torch.load(lightning_rank_file(first, r), weights_only=True)
-                 for r in range(WORLD)]  # fmt: skip
+        files = [torch.load(lightning_rank_file(first, r), weights_only=True) for r in range(WORLD)]
         for file in files:
             sync = file["state"]["local"]["state"]
             assert (sync["settings"]["overlap"], sync["settings"]["fragments"]) == (1, 2)
@@ -387,8 +394,8 @@ class TestAccelerate:
         pytest.importorskip("accelerate", reason=f"needs accelerate: {INSTALL}")
         run = runs["accelerate"].result()
         said, tmp = run["said"], run["tmp"] / "local"
-        assert re.search(r"step 26: rank 0 sent [\d,]+ B vs [\d,]+ B dense \(\d+x less\)",
-                         said["local-straight"]), said  # fmt: skip
+        sent = r"step 26: rank 0 sent [\d,]+ B vs [\d,]+ B dense \(\d+x less\)"
+        assert re.search(sent, said["local-straight"]), said
         assert_rank_files([accelerate_rank_file(tmp / "ckpt", r) for r in range(WORLD)])
         assert "resumed from step 25" in said["local-resumed"], said
         whole = torch.load(tmp / "straight.pt", weights_only=True)

@@ -372,9 +372,12 @@ def without_avx512(
         NUMBA_CACHE_DIR=str(tmp_path_factory.mktemp("numba-avx2")),
     )
     proc = subprocess.Popen(
-        [sys.executable, "-c", AVX2_ONLY], env=env, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [sys.executable, "-c", AVX2_ONLY],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     yield proc
     proc.kill()
     proc.communicate()

@@ -41,10 +41,6 @@ def _residual(path: tuple, change: Callable[[torch.Tensor], torch.Tensor]) -> Mu
     return mutate
 
 
-def _drop(key: str) -> Mutation:
-    return lambda state: state.pop(key)
-
-
 def _junk_thresholds(path: tuple) -> dict[str, Mutation]:
     return {
         f"last_threshold {v!r}": _set((*path, "algorithm", "last_threshold"), v)
@@ -105,8 +101,9 @@ def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, batches: list) ->
 
 def _rank_shared(rank: int, world: int) -> dict[str, str]:
     model = toy_model()
-    opt = SharedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2),
-                          threshold=FixedThreshold(1e-3))  # fmt: skip
+    opt = SharedOptimizer(
+        torch.optim.Adam(model.parameters(), lr=1e-2), threshold=FixedThreshold(1e-3)
+    )
     batches = toy_batches(5)
     _train(model, opt, batches[:3])
     valid = opt.state_dict()
@@ -114,8 +111,12 @@ def _rank_shared(rank: int, world: int) -> dict[str, str]:
 
     def now() -> dict[str, Any]:
         assert opt.encoder is not None
-        return {"optim": opt.optim.state_dict(), "encoder": opt.encoder.state_dict(),
-                "iteration": opt.iteration, "bytes_sent": opt.bytes_sent}  # fmt: skip
+        return {
+            "optim": opt.optim.state_dict(),
+            "encoder": opt.encoder.state_dict(),
+            "iteration": opt.iteration,
+            "bytes_sent": opt.bytes_sent,
+        }
 
     mutations: dict[str, Mutation] = {
         "gradshare None": _set(("gradshare",), None),
@@ -150,8 +151,9 @@ def _rank_shared(rank: int, world: int) -> dict[str, str]:
     out = _fuzz(valid, mutations, opt.load_state_dict, now)
     opt.load_state_dict(valid)  # the valid one still loads
     out["valid"] = "loaded" if opt.iteration == 3 else "wrong"
-    fresh = SharedOptimizer(torch.optim.Adam(toy_model().parameters(), lr=1e-2),
-                            threshold=FixedThreshold(1e-3))  # fmt: skip
+    fresh = SharedOptimizer(
+        torch.optim.Adam(toy_model().parameters(), lr=1e-2), threshold=FixedThreshold(1e-3)
+    )
     unstepped = {k: v for k, v in mutations.items() if k.startswith(("exp_avg", "lr"))}
     got = _fuzz(valid, unstepped, fresh.load_state_dict, fresh.state_dict)
     out.update({f"fresh: {name}": result for name, result in got.items()})
@@ -171,10 +173,18 @@ def test_shared_optimizer_refuses_junk_and_changes_nothing() -> None:
     assert got.pop("valid") == got.pop("fresh: valid") == "loaded"
     for name, result in got.items():
         assert result.startswith("ValueError"), (name, result)
-    names = {"iteration": "`iteration`", "bytes_sent": "`bytes_sent`",
-             "residual": "`residual`", "last_threshold": "`last_threshold`", "last": "`last`",
-             "post_processor": "`post_processor`", "lr": "`lr`", "betas": "`betas`",
-             "amsgrad": "`amsgrad`", "exp_avg": "`exp_avg`"}  # fmt: skip
+    names = {
+        "iteration": "`iteration`",
+        "bytes_sent": "`bytes_sent`",
+        "residual": "`residual`",
+        "last_threshold": "`last_threshold`",
+        "last": "`last`",
+        "post_processor": "`post_processor`",
+        "lr": "`lr`",
+        "betas": "`betas`",
+        "amsgrad": "`amsgrad`",
+        "exp_avg": "`exp_avg`",
+    }
     for name, result in got.items():
         for key, field in names.items():
             if key in name.split():
@@ -185,8 +195,9 @@ def test_shared_optimizer_refuses_junk_and_changes_nothing() -> None:
 
 def _rank_hook(rank: int, world: int) -> dict[str, str]:
     model = DistributedDataParallel(toy_model())
-    state = register_threshold_hook(model, start_iter=0, momentum=0.9,
-                                    threshold=FixedThreshold(1e-3))  # fmt: skip
+    state = register_threshold_hook(
+        model, start_iter=0, momentum=0.9, threshold=FixedThreshold(1e-3)
+    )
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     batches = toy_batches(5)
     _train(model, opt, batches[:3])

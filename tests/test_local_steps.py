@@ -28,7 +28,7 @@ from gradshare.distributed.local_steps import (
     default_outer_lr,
 )
 
-from toys import flat, mlp, toy_batches, toy_model
+from toys import flat, logged, mlp, toy_batches, toy_model
 from world import pooled, spawn
 
 
@@ -73,8 +73,12 @@ def _rank_laws(rank: int, world: int) -> dict:
     dense syncs, on one world."""
     out: dict = {}
     batches = toy_batches(6 * world, seed=1)[rank::world]
-    for key, decay, compact in ((1.0, 1.0, False), (0.9, 0.9, False), ("wide", 0.9, False),
-                                ("compact", 0.9, True)):  # fmt: skip
+    for key, decay, compact in (
+        (1.0, 1.0, False),
+        (0.9, 0.9, False),
+        ("wide", 0.9, False),
+        ("compact", 0.9, True),
+    ):
         # rank 0's model must win; a wider one has pieces long enough to compact
         model = (
             mlp(10, 3, hidden=96, seed=rank) if key in ("wide", "compact") else toy_model(seed=rank)
@@ -93,17 +97,22 @@ def _rank_laws(rank: int, world: int) -> dict:
                 g = torch.cat([t.reshape(-1) for t in sync.global_params])
                 assert torch.equal(g, flat(model))
         assert sync.syncs == 3 and sync.dense_bytes == 3 * 4 * sync.numel
-        out[key] = {"hashes": hashes, "logs": logs, "residuals": residuals,
-                    "bytes": sync.bytes_sent,
-                    "seconds": (sync.sync_seconds, sync.wait_seconds)}  # fmt: skip
+        out[key] = {
+            "hashes": hashes,
+            "logs": logs,
+            "residuals": residuals,
+            "bytes": sync.bytes_sent,
+            "seconds": (sync.sync_seconds, sync.wait_seconds),
+        }
         sync.close()
     # dense, outer SGD lr 1: every sync leaves every replica at the mean of the replicas
     model = toy_model(seed=rank)
     inner = torch.optim.SGD(model.parameters(), lr=0.1)
     locals_: list = []
     inner.register_step_post_hook(lambda *_: locals_.append(flat(model)))  # runs first
-    sync = LocalSteps(model, inner, sync_every=3, dense=True,
-                      outer_optimizer=lambda p: torch.optim.SGD(p, lr=1.0))  # fmt: skip
+    sync = LocalSteps(
+        model, inner, sync_every=3, dense=True, outer_optimizer=lambda p: torch.optim.SGD(p, lr=1.0)
+    )
     after = []
     for step, batch in enumerate(batches):
         _train(model, inner, [batch])
@@ -112,8 +121,10 @@ def _rank_laws(rank: int, world: int) -> dict:
     assert sync.bytes_sent == 2 * 4 * sync.numel
     out["dense"] = {"locals": locals_[2::3], "after": after}
     sync.close()
-    for name, make in (("AdamW", lambda p: torch.optim.AdamW(p, lr=1e-2)),
-                       ("SGD", lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))):  # fmt: skip
+    for name, make in (
+        ("AdamW", lambda p: torch.optim.AdamW(p, lr=1e-2)),
+        ("SGD", lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)),
+    ):
         model = toy_model(seed=0)
         with LocalSteps(model, make(model.parameters()), sync_every=2) as sync:
             out[f"outer {name}"] = (type(sync.outer).__name__, sync.outer.param_groups[0])
@@ -180,8 +191,11 @@ class TestSyncLaws:
                 torch.equal(a, b) for a, b in zip(small["hashes"], dl4j["hashes"], strict=True)
             )
             for got, want in zip(small["logs"], dl4j["logs"], strict=True):
-                assert all(torch.equal(a[1], b[1]) for a, b in zip(got, want, strict=True)
-                           if a[1] is not None or b[1] is not None)  # fmt: skip
+                assert all(
+                    torch.equal(a[1], b[1])
+                    for a, b in zip(got, want, strict=True)
+                    if a[1] is not None or b[1] is not None
+                )
             assert small["bytes"] < 0.6 * dl4j["bytes"]
 
     def test_default_outer_optimizer_follows_the_inner_one(self, results: list[dict]) -> None:
@@ -219,10 +233,12 @@ def _rank_overlap(rank: int, world: int) -> dict:
                 inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
             locals_: list = []
             inner.register_step_post_hook(_recorder(model, locals_))  # runs first
-            kwargs: dict = {"dense": True, "outer_optimizer": lambda p: torch.optim.SGD(
-                p, lr=1.0)} if dense else {}  # fmt: skip
-            sync = LocalSteps(model, inner, sync_every=2, overlap=True if tau == 2 else tau,
-                              **kwargs)  # fmt: skip
+            kwargs: dict = {}
+            if dense:
+                kwargs = {"dense": True, "outer_optimizer": lambda p: torch.optim.SGD(p, lr=1.0)}
+            sync = LocalSteps(
+                model, inner, sync_every=2, overlap=True if tau == 2 else tau, **kwargs
+            )
             start, after, copies, counted, seconds = flat(model), [], [], [], []
             for batch in batches:
                 _train(model, inner, [batch])
@@ -231,10 +247,17 @@ def _rank_overlap(rank: int, world: int) -> dict:
                 counted.append((sync.bytes_sent, sync.dense_bytes))
                 seconds.append((sync.sync_seconds, sync.wait_seconds))
             sync.close()  # after step 9
-            out[(tau, dense)] = {"start": start, "locals": locals_, "after": after,
-                                 "copies": copies, "closed": flat(model), "counted": counted,
-                                 "numel": sync.numel, "syncs": sync.syncs,
-                                 "seconds": seconds}  # fmt: skip
+            out[(tau, dense)] = {
+                "start": start,
+                "locals": locals_,
+                "after": after,
+                "copies": copies,
+                "closed": flat(model),
+                "counted": counted,
+                "numel": sync.numel,
+                "syncs": sync.syncs,
+                "seconds": seconds,
+            }
     return out
 
 
@@ -277,6 +300,27 @@ def _replay(runs: list[dict], tau: int) -> tuple[list[torch.Tensor], torch.Tenso
         else:  # nothing in flight: the carry back into the model
             closed.append(after[r][-1] - base[r])
     return after, torch.stack(closed)
+
+
+def _rank_logged(rank: int, world: int) -> list[tuple[str, str]]:
+    """What an overlapping LocalSteps logs, DEBUG included: syncs at steps 2 and 4, the
+    first merged at step 3, the second at the close."""
+    model = toy_model(seed=rank)
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    with logged() as said:
+        sync = LocalSteps(model, inner, sync_every=2, overlap=1)
+        _train(model, inner, toy_batches(4, seed=rank))
+        sync.close()
+    return said
+
+
+def test_logs_its_configuration_and_each_round_at_debug() -> None:
+    """One INFO line when built, and with overlap a DEBUG line as each round arrives."""
+    for said in (r.get() for r in pooled(_rank_logged, 2)):
+        ours = [(level, m) for level, m in said if m.startswith("LocalSteps")]
+        assert [level for level, _ in ours] == ["INFO", "DEBUG", "DEBUG"], said
+        assert "overlap=1" in ours[0][1] and "world 2" in ours[0][1], said
+        assert ours[1][1].startswith("LocalSteps: a round of "), said
 
 
 class TestOverlap:
@@ -358,16 +402,30 @@ def _rank_fragments(rank: int, world: int) -> dict:
         inner = torch.optim.SGD(model.parameters(), lr=0.1)
         locals_: list = []
         inner.register_step_post_hook(_recorder(model, locals_))  # runs first
-        sync = LocalSteps(model, inner, sync_every=2, dense=True, overlap=tau, fragments=2,
-                          outer_optimizer=lambda p: torch.optim.SGD(p, lr=1.0))  # fmt: skip
+        sync = LocalSteps(
+            model,
+            inner,
+            sync_every=2,
+            dense=True,
+            overlap=tau,
+            fragments=2,
+            outer_optimizer=lambda p: torch.optim.SGD(p, lr=1.0),
+        )
         start, after = flat(model), []
         for batch in batches:
             _train(model, inner, [batch])
             after.append(flat(model))
         sync.close()
-        out[tau] = {"start": start, "locals": locals_, "after": after, "closed": flat(model),
-                    "parts": [(f.start, f.stop, f.offset) for f in sync._schedule.spans],
-                    "syncs": sync.syncs, "sent": sync.bytes_sent, "numel": sync.numel}  # fmt: skip
+        out[tau] = {
+            "start": start,
+            "locals": locals_,
+            "after": after,
+            "closed": flat(model),
+            "parts": [(f.start, f.stop, f.offset) for f in sync._schedule.spans],
+            "syncs": sync.syncs,
+            "sent": sync.bytes_sent,
+            "numel": sync.numel,
+        }
     return out
 
 
@@ -396,8 +454,10 @@ def test_fragments_are_the_streaming_recurrence(tau: int) -> None:
             done, flight = (a, b), None
         f = step % 2  # the fragment whose sync this step ends with
         a, b = parts[f][:2]
-        deltas = [(g[a:b] + base[r][a:b]) - model[r][a:b] if tau else g[a:b] - model[r][a:b]
-                  for r in range(2)]  # fmt: skip
+        deltas = [
+            (g[a:b] + base[r][a:b]) - model[r][a:b] if tau else g[a:b] - model[r][a:b]
+            for r in range(2)
+        ]
         mean = (deltas[0] + deltas[1]) / 2
         if tau:
             for r in range(2):
@@ -412,8 +472,10 @@ def test_fragments_are_the_streaming_recurrence(tau: int) -> None:
             assert torch.equal(run["after"][step - 1], model[r]), (r, step)
         assert (done is None) == (tau == 1 and step == 1)  # from then on each step has one
         if done is not None:
-            assert torch.equal(runs[0]["after"][step - 1][done[0] : done[1]],
-                               runs[1]["after"][step - 1][done[0] : done[1]])  # fmt: skip
+            assert torch.equal(
+                runs[0]["after"][step - 1][done[0] : done[1]],
+                runs[1]["after"][step - 1][done[0] : done[1]],
+            )
     for r, run in enumerate(runs):  # close(): the round in flight, then the carry back
         closed = model[r].clone()
         if flight is not None:
@@ -524,8 +586,14 @@ def _rank_float64(rank: int, world: int) -> dict:
     locals_: list = []
     inner.register_step_post_hook(_recorder(model, locals_))  # runs before LocalSteps' hook
     armed = _poison(inner, model[0].bias, (1,), rank == 1)  # type: ignore[index]
-    sync = LocalSteps(model, inner, sync_every=2, dense=True, timeout=20,
-                      outer_optimizer=lambda p: torch.optim.SGD(p, lr=1.0))  # fmt: skip
+    sync = LocalSteps(
+        model,
+        inner,
+        sync_every=2,
+        dense=True,
+        timeout=20,
+        outer_optimizer=lambda p: torch.optim.SGD(p, lr=1.0),
+    )
     batches = [(x.double(), y) for x, y in toy_batches(4 * world, seed=5)[rank::world]]
     _train(model, inner, batches[:2])  # the second step ends with the sync
     out: dict = {"local": locals_[1], "after": flat(model)}
@@ -572,8 +640,9 @@ class _Small(nn.Module):
         return self.out(self.norm(self.inp(x)).relu()) * self.scale
 
 
-def _moved(model: nn.Module, step: Callable[[torch.Tensor, torch.Tensor], None], rank: int,
-           world: int) -> dict[str, bool]:  # fmt: skip
+def _moved(
+    model: nn.Module, step: Callable[[torch.Tensor, torch.Tensor], None], rank: int, world: int
+) -> dict[str, bool]:
     """40 steps of ``step(x, y)`` on this rank's batches: which parameters moved between
     step 20 and step 40."""
     batches = [(x, y % 2) for x, y in toy_batches(40 * world, seed=7)[rank::world]]
@@ -623,8 +692,11 @@ def _rank_buffers(rank: int, world: int) -> dict:
         inner = torch.optim.SGD(model.parameters(), lr=0.1)
         with LocalSteps(model, inner, sync_every=2, broadcast_buffers=on) as sync:
             _train(model, inner, batches[:2])  # the second step ends with the sync
-        out[key] = {"buffers": dict(model.named_buffers()), "sent": sync._protocol.buffers.sent,
-                    "eval": model.eval()(probe)}  # fmt: skip
+        out[key] = {
+            "buffers": dict(model.named_buffers()),
+            "sent": sync._protocol.buffers.sent,
+            "eval": model.eval()(probe),
+        }
     model = _bn_model()
     opt = SharedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model)
     _train(model, opt, batches[:1])
@@ -662,14 +734,18 @@ def _rank_outer_at_load(rank: int, world: int) -> dict:
             "buffer nan": {**outer, "state": {0: {"momentum_buffer": buf * float("nan")}}},
             "empty": {},
         }
-        out = {k: _refused(lambda o=o: sync.load_state_dict({**saved, "outer": o}))
-               for k, o in junk.items()}  # fmt: skip
+        out = {
+            k: _refused(lambda o=o: sync.load_state_dict({**saved, "outer": o}))
+            for k, o in junk.items()
+        }
         after = sync.state_dict()
-        out["unchanged"] = all(torch.equal(a, b) for a, b in zip(before["global"],
-                               after["global"], strict=True)) and repr(before["outer"]) == repr(
-                               after["outer"])  # fmt: skip
-    for name, make in (("sgd 1.0", lambda p: torch.optim.SGD(p, lr=1.0)),
-                       ("adam", lambda p: torch.optim.Adam(p, lr=0.1))):  # fmt: skip
+        pairs = zip(before["global"], after["global"], strict=True)
+        same_outer = repr(before["outer"]) == repr(after["outer"])
+        out["unchanged"] = all(torch.equal(a, b) for a, b in pairs) and same_outer
+    for name, make in (
+        ("sgd 1.0", lambda p: torch.optim.SGD(p, lr=1.0)),
+        ("adam", lambda p: torch.optim.Adam(p, lr=0.1)),
+    ):
         with LocalSteps(model, inner, sync_every=2, outer_optimizer=make) as other:
             out[name] = _refused(lambda o=other: o.load_state_dict(saved))
             settings = {k: v for k, v in saved["settings"].items() if k != "outer_optimizer"}
@@ -689,13 +765,14 @@ def _rank_guards(rank: int, world: int) -> dict:
     for lr in (1e38, 1e42):  # inf in float32 (the moves are ~100); an lr float32 cannot hold
         model = toy_model()
         inner = torch.optim.SGD(model.parameters(), lr=1e3)
-        sync = LocalSteps(model, inner, sync_every=2,
-                          outer_optimizer=lambda p, lr=lr: torch.optim.SGD(p, lr=lr))  # fmt: skip
+        sync = LocalSteps(
+            model, inner, sync_every=2, outer_optimizer=lambda p, lr=lr: torch.optim.SGD(p, lr=lr)
+        )
         _train(model, inner, batches[:1])
         local = flat(model)
         out[f"overflow {lr:g}"] = _refused(lambda m=model, i=inner: _train(m, i, batches[1:2]))
-        out[f"kept {lr:g}"] = bool(flat(model).isfinite().all()) and not torch.equal(
-            flat(model), local)  # fmt: skip
+        moved = not torch.equal(flat(model), local)
+        out[f"kept {lr:g}"] = bool(flat(model).isfinite().all()) and moved
         with pytest.raises(RuntimeError, match="outer step"):  # and at every later step
             _train(model, inner, batches[2:3])
         sync.close()
@@ -714,8 +791,7 @@ def _rank_guards(rank: int, world: int) -> dict:
         out["foreign"] = _refused(lambda: LocalSteps(toy_model(), other, sync_every=2))
     complex_model = nn.Linear(2, 2).to(torch.complex64)
     try:
-        LocalSteps(complex_model, torch.optim.SGD(complex_model.parameters(), lr=0.1),
-                   sync_every=2)  # fmt: skip
+        LocalSteps(complex_model, torch.optim.SGD(complex_model.parameters(), lr=0.1), sync_every=2)
     except TypeError as e:
         out["complex"] = str(e)
     # junk at load
@@ -895,8 +971,9 @@ class TestGuards:
         for r in refusals:
             out = r["guards"]
             assert (out["stalled 2"], out["stalled 3"]) == (0, 3)  # out.bias (3) goes whole
-            assert out["warned"] == [f"stalled LocalSteps {n}"
-                                     for n in ("0.bias", "0.weight", "2.weight")]  # fmt: skip
+            assert out["warned"] == [
+                f"stalled LocalSteps {n}" for n in ("0.bias", "0.weight", "2.weight")
+            ]
 
 
 class TestRefusals:
@@ -996,16 +1073,28 @@ def test_lost_peer_raises_within_the_timeout(kind: str, overlap: int, fragments:
     assert lost.error == ("ZeroDivisionError" if kind == "raise" else "Killed")
 
 
-RESUMES = ((0, 1, False), (True, 1, False), (3, 1, False), (1, 1, False), (1, 2, False),
-           (0, 1, True), (3, 1, True))  # fmt: skip
+RESUMES = (
+    (0, 1, False),
+    (True, 1, False),
+    (3, 1, False),
+    (1, 1, False),
+    (1, 2, False),
+    (0, 1, True),
+    (3, 1, True),
+)
 """(overlap, fragments, dense): the resume is checked without overlap, with τ 4 (``True``), 3
 and 1 at sync_every 4, with τ 1 over 2 fragments, and dense (DiLoCo) without and with τ 3."""
 
 
 def _rank_resume(
-    rank: int, world: int, tmp: str, part: str, overlap: int = 0, fragments: int = 1,
+    rank: int,
+    world: int,
+    tmp: str,
+    part: str,
+    overlap: int = 0,
+    fragments: int = 1,
     dense: bool = False,
-) -> torch.Tensor:  # fmt: skip
+) -> torch.Tensor:
     """``whole``: 20 steps, saving at 10. ``resumed``: new processes load step 10, do 10.
     With overlap τ 4 or 3, round 2 (of the sync at step 8) is in flight at step 10; with τ 1
     it was merged at step 9, and the carry of step 9 waits. With 2 fragments (syncs at steps
@@ -1015,13 +1104,24 @@ def _rank_resume(
     inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
     # saved with compact messages (the default), the 2-fragment run resumes with DL4J's
     compact = part == "whole" or fragments != 2
-    sync = LocalSteps(model, inner, sync_every=4, decay=0.9, timeout=30, overlap=overlap,
-                      fragments=fragments, dense=dense, compact=compact)  # fmt: skip
+    sync = LocalSteps(
+        model,
+        inner,
+        sync_every=4,
+        decay=0.9,
+        timeout=30,
+        overlap=overlap,
+        fragments=fragments,
+        dense=dense,
+        compact=compact,
+    )
     path = Path(tmp) / f"rank{rank}-overlap{overlap}-{fragments}-{dense}.pt"
     if part == "whole":
         _train(model, inner, batches[:10])
-        torch.save({"model": model.state_dict(), "inner": inner.state_dict(),
-                    "sync": sync.state_dict()}, path)  # fmt: skip
+        torch.save(
+            {"model": model.state_dict(), "inner": inner.state_dict(), "sync": sync.state_dict()},
+            path,
+        )
     else:
         state = torch.load(path, weights_only=True)
         saved = state["sync"]
@@ -1050,16 +1150,17 @@ def _rank_resume(
         # with overlap: where the round in flight was sent from, or (τ 1) the carry
         assert (saved["base"] is not None and bool(saved["base"].abs().sum() > 0)) == bool(tau)
         if not overlap:  # a state of format 1 (before overlap) loads as one saved without it
-            settings = {k: v for k, v in saved["settings"].items()
-                        if k not in ("overlap", "fragments")}  # fmt: skip
+            settings = {
+                k: v for k, v in saved["settings"].items() if k not in ("overlap", "fragments")
+            }
             old = {k: v for k, v in saved.items() if k not in ("pending", "base", "fragment")}
             sync.load_state_dict({**old, "format": 1, "settings": settings})
         if overlap is True:  # format 3: `lead`, relative to the copy, and overlap a bool
             glob = torch.cat([g.reshape(-1) for g in saved["global"]])
             old = {k: v for k, v in saved.items() if k not in ("base", "fragment")}
             settings = {k: v for k, v in saved["settings"].items() if k != "fragments"}
-            sync.load_state_dict({**old, "format": 3, "lead": saved["base"] - glob,
-                                  "settings": {**settings, "overlap": True}})  # fmt: skip
+            lead, settings = saved["base"] - glob, {**settings, "overlap": True}
+            sync.load_state_dict({**old, "format": 3, "lead": lead, "settings": settings})
             assert sync._flat.base is not None
             torch.testing.assert_close(sync._flat.base, saved["base"])
         model.load_state_dict(state["model"])
@@ -1081,8 +1182,9 @@ def test_resumed_run_is_bit_identical(
     and resumed with DL4J's). A dense LocalSteps (no encoders) could load no checkpoint at
     all: ``zip() argument 3 is longer than arguments 1-2``."""
     whole = [r[f"whole {overlap} {fragments} {dense}"] for r in two[0]]
-    resumed = [r.get() for r in pooled(_rank_resume, 2, str(two[1]), "resumed", overlap,
-                                       fragments, dense)]  # fmt: skip
+    resumed = [
+        r.get() for r in pooled(_rank_resume, 2, str(two[1]), "resumed", overlap, fragments, dense)
+    ]
     for a, b in zip(whole, resumed, strict=True):
         assert torch.equal(a, b)
     # step 20 ends with a sync of the whole model (of the first fragment: the second moved)
@@ -1206,10 +1308,11 @@ def _rank_failed_exchange(rank: int, world: int, overlap: bool) -> bool:
         module.exchange_messages = exchange
     after = [e.state_dict() for e in sync.encoders]
     same = all(
-        torch.equal(a["residual"], b["residual"]) and a["algorithm"] == b["algorithm"]
+        torch.equal(a["residual"], b["residual"])
+        and a["algorithm"] == b["algorithm"]
         and a["last"] == b["last"]
         for a, b in zip(before, after, strict=True)
-    )  # fmt: skip
+    )
     kept = True
     if overlap:  # round 1 was sent from step 2's replica (sync 1 merged nothing) at step 4
         start = torch.cat([g.reshape(-1) for g in sync.global_params]) + sync._flat.base

@@ -27,12 +27,15 @@ def torchrun(
     *args: str | Path, restarts: int = 0, ranks: int = 2
 ) -> subprocess.CompletedProcess[str]:
     launcher = [*TORCHRUN[:-1], f"--nproc_per_node={ranks}"]
+    script = str(ROOT / "examples" / "local_steps.py")
     return subprocess.run(
-        [*launcher, f"--max-restarts={restarts}", str(ROOT / "examples" / "local_steps.py"),
-         *map(str, args)],
-        capture_output=True, text=True, timeout=240, cwd=ROOT,
+        [*launcher, f"--max-restarts={restarts}", script, *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=ROOT,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )  # fmt: skip
+    )
 
 
 @pytest.fixture(scope="module")
@@ -44,14 +47,14 @@ def launched(
     The uninterrupted run saves at steps 10 and 20; the damaged launch starts from a copy of
     those checkpoints once it has ended."""
     tmp = tmp_path_factory.mktemp("whole")
-    jobs = {"whole": partial(torchrun, *STEPS, "--checkpoint-dir", tmp / "ckpt",
-                             "--out", tmp / "whole.pt")}  # fmt: skip
+    whole = partial(torchrun, *STEPS, "--checkpoint-dir", tmp / "ckpt", "--out", tmp / "whole.pt")
+    jobs = {"whole": whole}
     if selected(request, "test_elastic_restart_ends_where_an_uninterrupted_run_does"):
         tmp = tmp_path_factory.mktemp("elastic")
+        crash = ["--crash-at-step", "12", "--out", tmp / "elastic.pt"]
         jobs["elastic"] = partial(
-            torchrun, *STEPS, "--checkpoint-dir", tmp / "ckpt", "--crash-at-step", "12",
-            "--out", tmp / "elastic.pt", restarts=1,
-        )  # fmt: skip
+            torchrun, *STEPS, "--checkpoint-dir", tmp / "ckpt", *crash, restarts=1
+        )
     with ThreadPoolExecutor(len(jobs) + 2) as pool:
         runs = {name: pool.submit(job) for name, job in jobs.items()}
         if selected(request, "test_a_third_rank_resumes_the_two_ranks_checkpoint"):

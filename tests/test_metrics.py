@@ -17,8 +17,14 @@ from world import spawn
 
 def test_share_metrics_names_and_ratio() -> None:
     got = share_metrics(100, 400)
-    assert got == {"bytes_sent": 100.0, "dense_bytes": 400.0, "compression": 4.0,
-                   "density": 1.0, "threshold": 0.0, "stalled": 0.0}  # fmt: skip
+    assert got == {
+        "bytes_sent": 100.0,
+        "dense_bytes": 400.0,
+        "compression": 4.0,
+        "density": 1.0,
+        "threshold": 0.0,
+        "stalled": 0.0,
+    }
 
 
 def test_an_encoding_mode_without_stats_reports_unknown_not_dense() -> None:
@@ -27,9 +33,18 @@ def test_an_encoding_mode_without_stats_reports_unknown_not_dense() -> None:
     got = share_metrics(100, 400, [None], encoded=True)
     assert math.isnan(got["density"]) and math.isnan(got["threshold"])
     assert got["compression"] == 4.0
-    stats = EncodeStats(iteration=0, threshold=0.5, value=0.5, format="sparse", entries=3,
-                        density=0.3, message_bytes=28, dense_bytes=40, clipped=0.0,
-                        residual_norm=1.0)  # fmt: skip
+    stats = EncodeStats(
+        iteration=0,
+        threshold=0.5,
+        value=0.5,
+        format="sparse",
+        entries=3,
+        density=0.3,
+        message_bytes=28,
+        dense_bytes=40,
+        clipped=0.0,
+        residual_norm=1.0,
+    )
     got = share_metrics(28, 40, [stats], encoded=True)
     assert (got["density"], got["threshold"]) == (0.3, 0.5)
 

@@ -46,8 +46,14 @@ SET = {
 
 def test_the_fields_are_the_documented_ones() -> None:
     assert FIELDS == (
-        "threshold", "post_processor", "boundary", "magnitude", "dense", "reduction", "timeout",
-    )  # fmt: skip
+        "threshold",
+        "post_processor",
+        "boundary",
+        "magnitude",
+        "dense",
+        "reduction",
+        "timeout",
+    )
     assert set(SET) | {"dense"} == set(FIELDS)
 
 
@@ -62,9 +68,11 @@ def test_every_field_has_a_docstring() -> None:
     documented = {
         a.target.id
         for a, b in itertools.pairwise(body)
-        if isinstance(a, ast.AnnAssign) and isinstance(a.target, ast.Name)
-        and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant)
-    }  # fmt: skip
+        if isinstance(a, ast.AnnAssign)
+        and isinstance(a.target, ast.Name)
+        and isinstance(b, ast.Expr)
+        and isinstance(b.value, ast.Constant)
+    }
     assert documented == {f.name for f in dataclasses.fields(EncodingOptions)}
 
 
@@ -105,8 +113,7 @@ def test_the_local_front_ends_take_every_field() -> None:
     for enc in acc.encoders:
         _check_encoder(enc)
     assert acc.encoders[0].algorithm is not acc.encoders[1].algorithm  # each party its own
-    wrapper = ParallelWrapper(torch.nn.Linear(2, 1), torch.optim.SGD, torch.nn.MSELoss(),
-                              **SET)  # fmt: skip
+    wrapper = ParallelWrapper(torch.nn.Linear(2, 1), torch.optim.SGD, torch.nn.MSELoss(), **SET)
     assert wrapper.accumulator.options == acc.options
     assert EncodedGradientsAccumulator(2, dense=True).encoders is None
     with pytest.raises(TypeError, match=r"unexpected keyword\(s\) \['thresold'\]"):
@@ -148,8 +155,7 @@ def _rank_front_ends(rank: int, world: int) -> dict[str, str]:
         assert isinstance(sync.outer, torch.optim.SGD) and sync.outer.param_groups[0]["lr"] == 1
     with LocalSteps(local_model, inner, local=LocalStepsOptions(**fields)) as sync:
         assert sync.local.decay == 0.9
-    dense = SharedOptimizer(torch.optim.SGD(torch.nn.Linear(3, 2).parameters(), lr=0.1),
-                            dense=True)  # fmt: skip
+    dense = SharedOptimizer(torch.optim.SGD(torch.nn.Linear(3, 2).parameters(), lr=0.1), dense=True)
     assert dense.encoder is None
     # the default reductions: DL4J's sum alone, DDP's mean with ddp=
     assert SharedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1)).reduction == "sum"
@@ -204,19 +210,19 @@ def test_the_local_steps_fields_are_the_documented_ones() -> None:
 
     assert set(LOCAL) == set(LOCAL_FIELDS)
     defaults = LocalStepsOptions()
-    assert (defaults.sync_every, defaults.density, defaults.decay, defaults.compact) == (
-        10, 0.04, 0.95, True)  # fmt: skip
+    got = (defaults.sync_every, defaults.density, defaults.decay, defaults.compact)
+    assert got == (10, 0.04, 0.95, True)
     source = Path(local_module.__file__).read_text()
-    body = next(
-        n for n in ast.parse(source).body
-        if isinstance(n, ast.ClassDef) and n.name == "LocalStepsOptions"
-    ).body  # fmt: skip
+    classes = [n for n in ast.parse(source).body if isinstance(n, ast.ClassDef)]
+    body = next(n for n in classes if n.name == "LocalStepsOptions").body
     documented = {
         a.target.id
         for a, b in itertools.pairwise(body)
-        if isinstance(a, ast.AnnAssign) and isinstance(a.target, ast.Name)
-        and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant)
-    }  # fmt: skip
+        if isinstance(a, ast.AnnAssign)
+        and isinstance(a.target, ast.Name)
+        and isinstance(b, ast.Expr)
+        and isinstance(b.value, ast.Constant)
+    }
     assert documented == set(LOCAL_FIELDS)
 
 
@@ -275,11 +281,12 @@ def test_gradshare_train_takes_the_local_steps_fields() -> None:
     """``gradshare train`` validates its local-steps options as LocalStepsOptions does."""
     from gradshare.app.train import TrainConfig
 
-    config = TrainConfig(local_steps=6, density=0.02, decay=0.9, overlap=2, fragments=3,
-                         compact=False)  # fmt: skip
+    config = TrainConfig(
+        local_steps=6, density=0.02, decay=0.9, overlap=2, fragments=3, compact=False
+    )
     local = config.local_options()
-    assert (local.sync_every, local.density, local.decay, local.overlap, local.fragments,
-            local.compact) == (6, 0.02, 0.9, 2, 3, False)  # fmt: skip
+    got = (local.sync_every, local.density, local.decay, local.overlap, local.fragments)
+    assert (*got, local.compact) == (6, 0.02, 0.9, 2, 3, False)
     with pytest.raises(ValueError, match="--overlap: Expect `overlap`"):
         TrainConfig(local_steps=2, overlap=3)
     with pytest.raises(ValueError, match="--density: Expect `density` under 1/16"):

@@ -22,7 +22,7 @@ from gradshare import (
 )
 from gradshare.app.datasets import digits, minibatches, mlp
 
-from toys import flat, toy_batches, toy_model
+from toys import flat, logged, toy_batches, toy_model
 
 SGD = lambda params: torch.optim.SGD(params, lr=0.1)
 
@@ -263,3 +263,13 @@ def test_fit_draws_no_progress_bar(monkeypatch: pytest.MonkeyPatch) -> None:
     wrapper = ParallelWrapper(toy_model(), SGD, F.cross_entropy, num_workers=2)
     wrapper.fit(toy_batches(8), callback=lambda stats: seen.append(len(stats)))
     assert seen == [2, 2, 2, 2]
+
+
+def test_logs_its_configuration_and_each_round_at_debug() -> None:
+    """ParallelWrapper said nothing of itself: one INFO line when built, a DEBUG line a round."""
+    with logged("gradshare.local") as said:
+        wrapper = ParallelWrapper(toy_model(), SGD, F.cross_entropy, num_workers=2)
+        wrapper.fit(toy_batches(4))
+    assert [level for level, _ in said] == ["INFO", "DEBUG", "DEBUG"], said
+    assert said[0][1].startswith("ParallelWrapper: 2 workers on ['cpu']"), said
+    assert said[2][1].startswith("ParallelWrapper round 1: 2 workers sent "), said

@@ -14,8 +14,17 @@ import pytest
 from gradshare.codec import threads
 
 HERE = Path(__file__).resolve().parent
-TUNING = ("OMP_NUM_THREADS", "NUMBA_NUM_THREADS", "MKL_NUM_THREADS", "OMP_WAIT_POLICY",
-          threads.ENV_VAR, "LOCAL_WORLD_SIZE", "RANK", "WORLD_SIZE", "LOCAL_RANK")  # fmt: skip
+TUNING = (
+    "OMP_NUM_THREADS",
+    "NUMBA_NUM_THREADS",
+    "MKL_NUM_THREADS",
+    "OMP_WAIT_POLICY",
+    threads.ENV_VAR,
+    "LOCAL_WORLD_SIZE",
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+)
 
 
 def _clean_env(**extra: str) -> dict[str, str]:
@@ -27,9 +36,16 @@ def _clean_env(**extra: str) -> dict[str, str]:
 MODES = ("shared", "hook")
 LAUNCHES = {
     "spawn": [sys.executable, str(HERE / "launch_threads.py"), "spawn"],
-    "torchrun": [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                 "--nproc_per_node=2", str(HERE / "launch_threads.py"), "torchrun"],
-}  # fmt: skip
+    "torchrun": [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        str(HERE / "launch_threads.py"),
+        "torchrun",
+    ],
+}
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +58,7 @@ def reports(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, str], li
         if launch not in done:
             tmp = tmp_path_factory.mktemp(launch)
             cmd = [*LAUNCHES[launch], str(tmp), ",".join(MODES)]
-            run = subprocess.run(cmd, capture_output=True, text=True, timeout=240,
-                                 env=_clean_env())  # fmt: skip
+            run = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=_clean_env())
             assert run.returncode == 0, run.stderr[-3000:]
             done[launch] = tmp
         return [json.loads((done[launch] / f"rank{r}-{mode}.json").read_text()) for r in range(2)]
@@ -89,8 +104,9 @@ def test_explicit_count_runs_parallel_kernels_and_keeps_torch_setting() -> None:
         "print(before, torch.get_num_threads(), threads.kernel_threads(), pool)\n"
     )
     env = _clean_env(OMP_NUM_THREADS="1", **{threads.ENV_VAR: "2"})
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=120, env=env)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split() == ["1", "1", "2", "True"]
 
@@ -104,8 +120,9 @@ def test_share_of_one_never_starts_numba_pool() -> None:
         "print(bool(parallel and parallel._is_initialized))\n"
     )
     env = _clean_env(**{threads.ENV_VAR: "1"})
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=120, env=env)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip() == "False"
 

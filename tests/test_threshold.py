@@ -139,15 +139,20 @@ class TestTargetDensity:
         a = TargetDensityThreshold(1e-3, 2e-3)
         a.calculate_threshold(0, 0, None, None, None)
         a.calculate_threshold(1, 0, 1e-3, False, 5e-3)
-        old = {"class": "TargetSparsityThreshold", "settings": a.settings(),
-               "last_threshold": a.last_threshold, "last_sparsity": a.last_density}  # fmt: skip
+        old = {
+            "class": "TargetSparsityThreshold",
+            "settings": a.settings(),
+            "last_threshold": a.last_threshold,
+            "last_sparsity": a.last_density,
+        }
         b = TargetDensityThreshold(1e-3, 2e-3)
         b.load_state_dict(old)
         assert b.state_dict() == a.state_dict()
         band = AdaptiveThreshold(1e-3, 1e-4, 1e-2)
         saved = band.state_dict()
-        saved["settings"] = {k.replace("density", "sparsity"): v
-                             for k, v in saved["settings"].items()}  # fmt: skip
+        saved["settings"] = {
+            k.replace("density", "sparsity"): v for k, v in saved["settings"].items()
+        }
         AdaptiveThreshold(1e-3, 1e-4, 1e-2).load_state_dict(saved)
 
     @pytest.mark.parametrize("target", [0.0, 1 / 16, 0.5])
@@ -259,8 +264,9 @@ class TestOneDefault:
         )
         from gradshare.encoding.threshold import DEFAULT_INITIAL, default_threshold
 
-        wrapper = ParallelWrapper(nn.Linear(2, 2), lambda p: torch.optim.SGD(p, lr=0.1),
-                                  F.cross_entropy, num_workers=1)  # fmt: skip
+        wrapper = ParallelWrapper(
+            nn.Linear(2, 2), lambda p: torch.optim.SGD(p, lr=0.1), F.cross_entropy, num_workers=1
+        )
         accumulator = EncodedGradientsAccumulator(2)
         assert accumulator.encoders is not None and wrapper.accumulator.encoders is not None
         algorithms = [

@@ -44,8 +44,16 @@ class TestTrain:
             assert (tmp_path / name).stat().st_size > 0
         runs = _summary(tmp_path)["runs"]
         for fields in runs.values():
-            assert {"accuracy", "seconds", "bytes_sent", "dense_bytes", "compression_ratio",
-                    "test_loss", "steps", "epochs"} <= set(fields)  # fmt: skip
+            assert {
+                "accuracy",
+                "seconds",
+                "bytes_sent",
+                "dense_bytes",
+                "compression_ratio",
+                "test_loss",
+                "steps",
+                "epochs",
+            } <= set(fields)
         dense, encoded = runs["dense"], runs["gradshare"]
         assert dense["accuracy"] > 0.9
         assert abs(encoded["accuracy"] - dense["accuracy"]) <= 0.02, runs
@@ -70,8 +78,7 @@ class TestTrain:
         assert all(int(r["message_bytes"]) == 0 for r in local_rows if r["format"] == "local")
 
     def test_same_seed_same_numbers(self, tmp_path: Path) -> None:
-        argv = ["train", "--epochs", "1", "--clip", "5:5", "--optimizer", "adam", "--lr", "0.01",
-                "--local-steps", "0"]  # fmt: skip
+        argv = "train --epochs 1 --clip 5:5 --optimizer adam --lr 0.01 --local-steps 0".split()
         for name in ("a", "b"):
             assert main([*argv, "--out", str(tmp_path / name), *QUIET]) == 0
         a, b = (_summary(tmp_path / n)["runs"] for n in ("a", "b"))
@@ -85,8 +92,7 @@ class TestTrain:
     def test_distributed_mode(self, tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
         """Every rank printed torch's "Converting a tensor with requires_grad=True to a
         scalar" warning: the loss was recorded with ``float(loss)``."""
-        argv = ["train", "--mode", "distributed", "--workers", "2", "--epochs", "2",
-                "--local-steps", "0"]  # fmt: skip
+        argv = "train --mode distributed --workers 2 --epochs 2 --local-steps 0".split()
         assert main([*argv, "--out", str(tmp_path), *QUIET]) == 0
         assert "requires_grad" not in capfd.readouterr().err
         runs = _summary(tmp_path)["runs"]
@@ -281,9 +287,8 @@ def _alive(pids: list[int]) -> list[str]:
 def test_ctrl_c_to_the_parent_stops_every_rank(tmp_path: Path) -> None:
     """SIGINT to `gradshare train --mode distributed` alone left it waiting forever on ranks
     that kept training; now it stops them, says so in one line and exits 130."""
-    cmd = [sys.executable, "-m", "gradshare.app.cli", "train", "--mode", "distributed",
-           "--workers", "2", "--epochs", "200", "--local-steps", "0", "--out", str(tmp_path),
-           *QUIET]  # fmt: skip
+    train = "train --mode distributed --workers 2 --epochs 200 --local-steps 0".split()
+    cmd = [sys.executable, "-m", "gradshare.app.cli", *train, "--out", str(tmp_path), *QUIET]
     # A background job of a non-interactive shell (`make test &`) starts with SIGINT ignored,
     # and so would the command, whose Python then installs no KeyboardInterrupt: give it
     # SIGINT as a terminal does (a handler here is reset to the default in the child).
@@ -297,8 +302,11 @@ def test_ctrl_c_to_the_parent_stops_every_rank(tmp_path: Path) -> None:
         ranks: list[int] = []
         while time.monotonic() < deadline and len(ranks) < 2:  # the spawner plus 2 ranks
             time.sleep(0.5)
-            ranks = [k for k in _children(proc.pid)
-                     if "spawn_main" in Path(f"/proc/{k}/cmdline").read_text()]  # fmt: skip
+            ranks = [
+                k
+                for k in _children(proc.pid)
+                if "spawn_main" in Path(f"/proc/{k}/cmdline").read_text()
+            ]
         assert len(ranks) == 2, "the ranks did not start"
         time.sleep(3)  # training
         proc.send_signal(signal.SIGINT)

@@ -1,7 +1,11 @@
-"""Small deterministic data and models shared by the training tests, and a hostile pickle."""
+"""Small deterministic data and models shared by the training tests, a log catcher, and a hostile
+pickle."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +33,28 @@ def toy_model(seed: int = 0) -> nn.Module:
 def flat(model: nn.Module) -> torch.Tensor:
     """Every parameter, flattened and concatenated."""
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+@contextlib.contextmanager
+def logged(name: str = "gradshare") -> Iterator[list[tuple[str, str]]]:
+    """The (level name, message) of every record of logger ``name`` and its children within,
+    DEBUG included; the logger's level is restored after."""
+    said: list[tuple[str, str]] = []
+    handler = logging.Handler(logging.DEBUG)
+
+    def emit(record: logging.LogRecord) -> None:
+        said.append((record.levelname, record.getMessage()))
+
+    handler.emit = emit  # type: ignore[method-assign]
+    logger = logging.getLogger(name)
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    try:
+        yield said
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
 
 
 class Hostile:

@@ -68,6 +68,22 @@ class RankResult:
         return self.value
 
 
+def _call(fn: Callable[..., Any], rank: int, world: int, args: tuple, start: float) -> RankResult:
+    """``fn(rank, world, *args)``: its value, or its error and traceback; the seconds since
+    ``start``."""
+    try:
+        value = fn(rank, world, *args)
+        return RankResult(rank, value, elapsed=time.monotonic() - start)
+    except BaseException as e:  # reported to the test, which re-raises it
+        return RankResult(
+            rank,
+            error=type(e).__name__,
+            message=str(e),
+            traceback=traceback.format_exc(),
+            elapsed=time.monotonic() - start,
+        )
+
+
 def _entry(
     fn: Callable[..., Any], rank: int, world: int, tmp: str, args: tuple, pg_s: float
 ) -> None:
@@ -75,14 +91,10 @@ def _entry(
     out = Path(tmp) / f"rank{rank}.pt"
     start = time.monotonic()
     store = dist.FileStore(str(Path(tmp) / "store"), world)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                            timeout=timedelta(seconds=pg_s))  # fmt: skip
-    try:
-        value = fn(rank, world, *args)
-        result = RankResult(rank, value, elapsed=time.monotonic() - start)
-    except BaseException as e:  # reported to the test, which re-raises it
-        result = RankResult(rank, None, type(e).__name__, str(e), traceback.format_exc(),
-                            elapsed=time.monotonic() - start)  # fmt: skip
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=pg_s)
+    )
+    result = _call(fn, rank, world, args, start)
     torch.save(result, out)
     if result.error is None:
         dist.destroy_process_group()
@@ -127,24 +139,19 @@ def _serve(rank: int, world: int, tmp: str, inbox: Any, pg_s: float) -> None:
     """A rank of a pooled world: join the group, then run each job of ``inbox`` in turn."""
     torch.set_num_threads(1)
     store = dist.FileStore(str(Path(tmp) / "store"), world)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                            timeout=timedelta(seconds=pg_s))  # fmt: skip
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=pg_s)
+    )
     environ = dict(os.environ)
     while (job := inbox.get()) is not None:
         fn, args = torch.load(job, weights_only=False)
-        start = time.monotonic()
-        try:
-            value = fn(rank, world, *args)
-            result = RankResult(rank, value, elapsed=time.monotonic() - start)
-        except BaseException as e:  # reported to the test, which re-raises it
-            result = RankResult(rank, None, type(e).__name__, str(e), traceback.format_exc(),
-                                elapsed=time.monotonic() - start)  # fmt: skip
+        result = _call(fn, rank, world, args, time.monotonic())
         out = f"{job}.rank{rank}"
         torch.save(result, out + ".tmp")
         os.replace(out + ".tmp", out)
         if result.error is not None:
             os._exit(0)  # a failed rank leaves at once, as a crashed worker would
-        del fn, args, value, result
+        del fn, args, result
         os.environ.clear()  # as the rank started, for the next job
         os.environ.update(environ)
         torch.set_num_threads(1)

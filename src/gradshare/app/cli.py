@@ -229,7 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--out", type=Path, default=None, help="output folder (default runs/<time>)")
     t.add_argument("--tensorboard", action="store_true", help="also log to OUT/tensorboard")
     t.add_argument("--no-progress", action="store_true", help="no progress bars")
-    t.set_defaults(func=train_command)  # fmt: skip
+    t.set_defaults(func=train_command)
     b = sub.add_parser("bench", help="run a benchmark: " + ", ".join(BENCHES))
     b.add_argument("name", choices=BENCHES, help="which benchmark")
     b.add_argument("rest", nargs=argparse.REMAINDER, help="its own options (see --help)")

@@ -12,9 +12,19 @@ from gradshare.app.train import RunResult, TrainConfig
 __all__ = ["COLUMNS", "compression_text", "summary_table", "write_outputs", "write_tensorboard"]
 
 COLUMNS = [
-    "run", "epoch", "step", "worker", "loss", "threshold", "density", "message_bytes",
-    "dense_bytes", "format", "residual_norm", "clipped",
-]  # fmt: skip
+    "run",
+    "epoch",
+    "step",
+    "worker",
+    "loss",
+    "threshold",
+    "density",
+    "message_bytes",
+    "dense_bytes",
+    "format",
+    "residual_norm",
+    "clipped",
+]
 
 
 def compression_text(dense_bytes: int, sent_bytes: int) -> str:
@@ -79,20 +89,25 @@ def plot(results: list[RunResult], path: Path) -> None:
     for r in results:
         steps, loss = _per_step(r.rows, "loss")
         loss_ax.plot(steps, loss, label=r.name, lw=1)
-        acc_ax.plot([e["epoch"] + 1 for e in r.epochs], [e["accuracy"] for e in r.epochs],
-                    marker="o", label=r.name)  # fmt: skip
+        acc_ax.plot(
+            [e["epoch"] + 1 for e in r.epochs],
+            [e["accuracy"] for e in r.epochs],
+            marker="o",
+            label=r.name,
+        )
+        ordered = sorted(r.rows, key=lambda x: x["step"])
         cumulative, total, seen = [], 0, []
-        for row in sorted(r.rows, key=lambda x: x["step"]):
+        for row in ordered:
             total += row["message_bytes"]
             seen.append(row["step"])
             cumulative.append(total)
         line = bytes_ax.plot(seen, cumulative, label=r.name)[0]
-        syncs = [i for i, row in enumerate(sorted(r.rows, key=lambda x: x["step"]))
-                 if row.get("format") == "sync"]  # fmt: skip
+        syncs = [i for i, row in enumerate(ordered) if row.get("format") == "sync"]
         if syncs:  # local steps: a mark at every sync, on the loss curve too
             marks = ([seen[i] for i in syncs], [cumulative[i] for i in syncs])
-            bytes_ax.plot(*marks, "|", color=line.get_color(), markersize=9,
-                          label=f"{r.name} syncs")  # fmt: skip
+            bytes_ax.plot(
+                *marks, "|", color=line.get_color(), markersize=9, label=f"{r.name} syncs"
+            )
             sync_steps = sorted({seen[i] for i in syncs})
             for s in sync_steps:
                 loss_ax.axvline(s, color=line.get_color(), lw=0.3, alpha=0.4)

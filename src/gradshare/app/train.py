@@ -192,8 +192,10 @@ class TrainConfig:
                 f"--lr must be finite and > 0, got {self.lr!r}: it scales every step, and an "
                 "infinite one makes the first update non-finite"
             )
-        for option, parse, value in (("--threshold", parse_threshold, self.threshold),
-                                     ("--clip", parse_clip, self.clip)):  # fmt: skip
+        for option, parse, value in (
+            ("--threshold", parse_threshold, self.threshold),
+            ("--clip", parse_clip, self.clip),
+        ):
             try:
                 parse(value)  # type: ignore[arg-type]
             except ValueError as e:
@@ -315,13 +317,25 @@ def _row(
     """One metrics row; ``stats`` is the step's EncodeStats/StepStats, None for dense."""
     row = {"run": name, "epoch": epoch, "step": step, "worker": worker, "loss": loss}
     if stats is None:
-        row.update(threshold=None, density=1.0, message_bytes=4 * numel, dense_bytes=4 * numel,
-                   format="dense", residual_norm=0.0, clipped=0.0)  # fmt: skip
+        row.update(
+            threshold=None,
+            density=1.0,
+            message_bytes=4 * numel,
+            dense_bytes=4 * numel,
+            format="dense",
+            residual_norm=0.0,
+            clipped=0.0,
+        )
         return row
-    row.update(threshold=stats.threshold, density=stats.density,
-               message_bytes=stats.message_bytes, dense_bytes=stats.dense_bytes,
-               format=stats.format or "none", residual_norm=stats.residual_norm,
-               clipped=stats.clipped)  # fmt: skip
+    row.update(
+        threshold=stats.threshold,
+        density=stats.density,
+        message_bytes=stats.message_bytes,
+        dense_bytes=stats.dense_bytes,
+        format=stats.format or "none",
+        residual_norm=stats.residual_norm,
+        clipped=stats.clipped,
+    )
     return row
 
 
@@ -384,9 +398,15 @@ def _rank_batches(config: TrainConfig, split: Split, epoch: int, rank: int, worl
 
 
 def _train_shared(
-    config: TrainConfig, name: str, model: nn.Module, split: Split, rank: int, world: int,
-    device: torch.device, tmp: str,
-) -> RunResult:  # fmt: skip
+    config: TrainConfig,
+    name: str,
+    model: nn.Module,
+    split: Split,
+    rank: int,
+    world: int,
+    device: torch.device,
+    tmp: str,
+) -> RunResult:
     """Every step shared (SharedOptimizer); a diverged update is written to ``tmp`` for the
     parent to report in one line."""
     from gradshare.distributed.shared_optimizer import SharedOptimizer
@@ -417,9 +437,8 @@ def _train_shared(
 
 
 def _train_local(
-    config: TrainConfig, model: nn.Module, split: Split, rank: int, world: int,
-    device: torch.device,
-) -> RunResult:  # fmt: skip
+    config: TrainConfig, model: nn.Module, split: Split, rank: int, world: int, device: torch.device
+) -> RunResult:
     """Each rank steps alone; every ``local_steps`` steps a LocalSteps sync, whose outer
     gradient is the ranks' pseudo-gradients summed, as the other two runs sum the workers'
     updates (DL4J's rule; averaging them would take a quarter of the step with 4 workers). A
@@ -447,19 +466,19 @@ def _train_local(
                 loss.backward()
                 sent, syncs = sync.bytes_sent, sync.syncs
                 inner.step()  # every local_steps-th step ends with the sync
-                result.rows.append(_local_row(epoch, step, rank, float(loss.detach()), sync, syncs,
-                                              sync.bytes_sent - sent, numel))  # fmt: skip
+                sent = sync.bytes_sent - sent
+                row = _local_row(epoch, step, rank, float(loss.detach()), sync, syncs, sent, numel)
+                result.rows.append(row)
                 step += 1
             result.epochs.append({"epoch": epoch, **_evaluate(model, split, device)})
     return result
 
 
 def _local_row(
-    epoch: int, step: int, worker: int, loss: float, sync: Any, before: int, sent: int,
-    numel: int,
-) -> dict[str, Any]:  # fmt: skip
-    row = {"run": LOCAL, "epoch": epoch, "step": step, "worker": worker, "loss": loss,
-           "message_bytes": sent, "dense_bytes": 4 * numel, "clipped": 0.0}  # fmt: skip
+    epoch: int, step: int, worker: int, loss: float, sync: Any, before: int, sent: int, numel: int
+) -> dict[str, Any]:
+    row = {"run": LOCAL, "epoch": epoch, "step": step, "worker": worker, "loss": loss}
+    row.update(message_bytes=sent, dense_bytes=4 * numel, clipped=0.0)
     if sync.syncs == before:
         return {**row, "threshold": None, "density": 0.0, "format": "local", "residual_norm": 0.0}
     stats = [e.last_stats for e in sync.encoders if e.last_stats is not None]
@@ -500,9 +519,13 @@ def _run_distributed(config: TrainConfig, name: str, split: Split, bar: Any) -> 
             # daemonic: should anything leave a rank running, the interpreter's exit ends it
             # instead of waiting for it
             context = mp.start_processes(
-                _rank_main, args=(config, name, rendezvous_port(), tmp), nprocs=config.workers,
-                join=False, daemon=True, start_method="spawn",
-            )  # fmt: skip
+                _rank_main,
+                args=(config, name, rendezvous_port(), tmp),
+                nprocs=config.workers,
+                join=False,
+                daemon=True,
+                start_method="spawn",
+            )
             while not context.join():
                 pass
         except BaseException:  # Ctrl-C (or a failed rank): stop every rank, then raise

@@ -43,7 +43,7 @@ def _crc(text: str) -> int:
 def agree(
     settings: dict[str, Any],
     *,
-    group: Any,
+    group: dist.ProcessGroup | None,
     timeout: timedelta,
     what: str,
     device: torch.device | None = None,
@@ -85,27 +85,37 @@ def agree(
     )
 
 
-def _gather(row: torch.Tensor, group: Any, timeout: timedelta, what: str) -> list[list[int]]:
+def _gather(
+    row: torch.Tensor, group: dist.ProcessGroup | None, timeout: timedelta, what: str
+) -> list[list[int]]:
     rows = [torch.empty_like(row) for _ in range(dist.get_world_size(group))]
-    collective(dist.all_gather, rows, row, group=group, timeout=timeout, what=what,
-               rank=dist.get_rank())  # fmt: skip
+    collective(
+        dist.all_gather, rows, row, group=group, timeout=timeout, what=what, rank=dist.get_rank()
+    )
     return torch.stack(rows).cpu().tolist()
 
 
 def _gather_texts(
-    text: str, group: Any, timeout: timedelta, device: torch.device, what: str
+    text: str, group: dist.ProcessGroup | None, timeout: timedelta, device: torch.device, what: str
 ) -> list[dict[str, str]]:
     """Every rank's ``text`` (a JSON object), lengths first, then the bytes padded."""
     data = text.encode()
-    lengths = _gather(torch.tensor([len(data)], dtype=torch.int64, device=device), group,
-                      timeout, f"settings text sizes ({what})")  # fmt: skip
+    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    lengths = _gather(size, group, timeout, f"settings text sizes ({what})")
     longest = max(n for (n,) in lengths)
     padded = torch.zeros(longest, dtype=torch.uint8)
     padded[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     padded = padded.to(device)
     out = [torch.empty_like(padded) for _ in lengths]
-    collective(dist.all_gather, out, padded, group=group, timeout=timeout,
-               what=f"settings text ({what})", rank=dist.get_rank())  # fmt: skip
+    collective(
+        dist.all_gather,
+        out,
+        padded,
+        group=group,
+        timeout=timeout,
+        what=f"settings text ({what})",
+        rank=dist.get_rank(),
+    )
     texts = []
     for (n,), t in zip(lengths, out, strict=True):
         try:

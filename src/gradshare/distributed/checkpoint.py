@@ -30,7 +30,7 @@ _LARGEST_THRESHOLD = float(torch.finfo(torch.float32).max)
 """A threshold above float32's largest value could never be crossed by a float32 residual."""
 
 
-def saved_by(group: Any = None) -> dict[str, int]:
+def saved_by(group: dist.ProcessGroup | None = None) -> dict[str, int]:
     """``{"rank": r, "world_size": w}`` of this process in ``group`` (empty without a process
     group)."""
     if not dist.is_available() or not dist.is_initialized():
@@ -38,7 +38,7 @@ def saved_by(group: Any = None) -> dict[str, int]:
     return {"rank": dist.get_rank(group), "world_size": dist.get_world_size(group)}
 
 
-def check_saved_by(saved: dict[str, Any], group: Any, what: str) -> None:
+def check_saved_by(saved: dict[str, Any], group: dist.ProcessGroup | None, what: str) -> None:
     """Refuse ``saved`` unless this rank of a world of the same size saved it (a state that
     records neither passes: it predates the record)."""
     here = saved_by(group)
@@ -99,8 +99,9 @@ def check_encoder_state(saved: Any, numel: int | None, what: str) -> None:
     residual = saved.get("residual")
     if residual is not None:
         if not isinstance(residual, torch.Tensor) or residual.dim() != 1:
-            raise ValueError(f"{what}'s `residual` is not a 1-D tensor: the checkpoint is "
-                             "corrupted.")  # fmt: skip
+            raise ValueError(
+                f"{what}'s `residual` is not a 1-D tensor: the checkpoint is corrupted."
+            )
         if residual.dtype != torch.float32:
             raise ValueError(
                 f"{what}'s `residual` is {residual.dtype}, not torch.float32: the checkpoint "
@@ -112,8 +113,10 @@ def check_encoder_state(saved: Any, numel: int | None, what: str) -> None:
                 "checkpoint is of another model."
             )
     algorithm = check_mapping(saved.get("algorithm"), f"{what}'s threshold state")
-    for name, low, high in (("last_threshold", 0.0, _LARGEST_THRESHOLD),
-                            ("last_density", 0.0, 1.0)):  # fmt: skip
+    for name, low, high in (
+        ("last_threshold", 0.0, _LARGEST_THRESHOLD),
+        ("last_density", 0.0, 1.0),
+    ):
         value = algorithm.get(name)
         if not _none_or_real(value, low, high):
             raise ValueError(
@@ -136,8 +139,11 @@ def _check_last(last: Any, what: str) -> None:
     ok = isinstance(last, (list, tuple)) and len(last) == 3
     if ok:
         threshold, dense, density = last
-        ok = (_none_or_real(threshold, 0.0, _LARGEST_THRESHOLD) and _none_or_real(density, 0, 1)
-              and (dense is None or isinstance(dense, bool)))  # fmt: skip
+        ok = (
+            _none_or_real(threshold, 0.0, _LARGEST_THRESHOLD)
+            and _none_or_real(density, 0, 1)
+            and (dense is None or isinstance(dense, bool))
+        )
     if not ok:
         raise ValueError(
             f"{what}'s `last` is {last!r}: expect [threshold, was_dense, density], each None "
@@ -185,8 +191,9 @@ def check_optimizer_state(optimizer: torch.optim.Optimizer, saved: Any, what: st
     for key, entries in state.items():
         entries = check_mapping(entries, f"{what}'s optimizer state of parameter {key!r}")
         if key in params:
-            _check_param_state(optimizer, params[key], entries, f"{what}'s optimizer state of "
-                               f"parameter {key!r}")  # fmt: skip
+            _check_param_state(
+                optimizer, params[key], entries, f"{what}'s optimizer state of parameter {key!r}"
+            )
 
 
 def _check_hyperparameters(
@@ -197,8 +204,11 @@ def _check_hyperparameters(
     look up and not find; flags may be missing, torch fills them in), or, for torch's own
     optimizers, whose values its constructor refuses (a negative learning rate)."""
     kind = type(optimizer).__name__
-    missing = [n for n, v in optimizer.defaults.items() if n not in group
-               and isinstance(v, (int, float, tuple)) and not isinstance(v, bool)]  # fmt: skip
+    missing = [
+        n
+        for n, v in optimizer.defaults.items()
+        if n not in group and isinstance(v, (int, float, tuple)) and not isinstance(v, bool)
+    ]
     if missing:
         raise ValueError(
             f"{where} has no {missing}, which {kind} steps with: it was saved by another "

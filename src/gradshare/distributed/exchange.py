@@ -117,7 +117,7 @@ _NAMED: dict[int, tuple[int, list[str]]] = {}
 in it, each rank's name), for errors (:func:`name_group`)."""
 
 
-def name_group(group: Any, rank: int | None, names: list[str] | None) -> None:
+def name_group(group: dist.ProcessGroup, rank: int | None, names: list[str] | None) -> None:
     """Record this process's rank in ``group`` and its ranks' names (None: forget it): for a
     group outside torch's registry, whose ranks have no global rank."""
     if rank is None or names is None:
@@ -126,7 +126,7 @@ def name_group(group: Any, rank: int | None, names: list[str] | None) -> None:
         _NAMED[id(group)] = (rank, names)
 
 
-def this_rank(group: Any = None) -> int:
+def this_rank(group: dist.ProcessGroup | None = None) -> int:
     """This process's rank, for errors: its global rank, or its rank in a named group."""
     named = _NAMED.get(id(group))
     if named is not None and not dist.is_initialized():
@@ -134,7 +134,7 @@ def this_rank(group: Any = None) -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def global_ranks(group: Any = None) -> list[int]:
+def global_ranks(group: dist.ProcessGroup | None = None) -> list[int]:
     """The global rank of each rank of ``group``, in group order (errors name global ranks);
     for a named group, its ranks' positions."""
     if id(group) in _NAMED:
@@ -142,7 +142,7 @@ def global_ranks(group: Any = None) -> list[int]:
     return dist.get_process_group_ranks(group or dist.group.WORLD)
 
 
-def rank_names(world: int, group: Any = None) -> list[str]:
+def rank_names(world: int, group: dist.ProcessGroup | None = None) -> list[str]:
     """How errors name the messages of an exchange over ``group``, by position: by global
     rank (the ranks of a world of ``world`` when no group is given; a named group's names)."""
     if id(group) in _NAMED:
@@ -161,7 +161,7 @@ def exchange_messages(
     message: torch.Tensor | None,
     numel: int,
     *,
-    group: Any = None,
+    group: dist.ProcessGroup | None = None,
     timeout: float | timedelta | None = None,
     device: torch.device | None = None,
     failure: BaseException | None = None,
@@ -200,8 +200,15 @@ def exchange_messages(
     status = _OK if failure is None else _FAILED
     header = torch.tensor([status, words, numel, round], dtype=torch.int64, device=device)
     headers = [torch.empty_like(header) for _ in range(world)]
-    collective(dist.all_gather, headers, header, group=group, timeout=timeout,
-               what="size exchange", rank=rank)  # fmt: skip
+    collective(
+        dist.all_gather,
+        headers,
+        header,
+        group=group,
+        timeout=timeout,
+        what="size exchange",
+        rank=rank,
+    )
     table = torch.stack(headers).cpu().tolist()
     failed = [ranks[r] for r, h in enumerate(table) if h[0] != _OK]
     if failure is not None:
@@ -238,8 +245,15 @@ def exchange_messages(
     if message is not None:
         padded[:words].copy_(message)
     gathered = [torch.empty_like(padded) for _ in range(world)]
-    collective(dist.all_gather, gathered, padded, group=group, timeout=timeout,
-               what="message exchange", rank=rank)  # fmt: skip
+    collective(
+        dist.all_gather,
+        gathered,
+        padded,
+        group=group,
+        timeout=timeout,
+        what="message exchange",
+        rank=rank,
+    )
     return [m[: h[1]] if h[1] else None for h, m in zip(table, gathered, strict=True)]
 
 
@@ -248,7 +262,7 @@ def exchange_pieces(
     targets: Sequence[torch.Tensor],
     labels: Sequence[Any],
     *,
-    group: Any,
+    group: dist.ProcessGroup | None,
     timeout: float | timedelta | None,
     device: torch.device,
     divisor: float,
@@ -317,13 +331,15 @@ class PrivateGroup:
     twin (the nodes and node leaders of the hierarchical exchange); only they may use it.
     """
 
-    def __init__(self, group: Any, timeout: timedelta, ranks: list[int] | None = None) -> None:
+    def __init__(
+        self, group: dist.ProcessGroup | None, timeout: timedelta, ranks: list[int] | None = None
+    ) -> None:
         self.parent = group
         self.timeout = timeout
         self.ranks = ranks
-        self._ref: Any = None
+        self._ref: weakref.ref[dist.ProcessGroup] | None = None
 
-    def get(self) -> Any:
+    def get(self) -> dist.ProcessGroup:
         group = None if self._ref is None else self._ref()
         if group is None:
             ranks = self.ranks or dist.get_process_group_ranks(self.parent or dist.group.WORLD)

@@ -13,7 +13,6 @@ import logging
 import random
 import socket
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -26,7 +25,7 @@ __all__ = ["count_ranks_on_host", "rendezvous_port"]
 logger = logging.getLogger(__name__)
 
 
-def count_ranks_on_host(group: Any = None) -> int:
+def count_ranks_on_host(group: dist.ProcessGroup | None = None) -> int:
     """All-gather a host id over ``group`` and record how many of its ranks share this host.
 
     A collective: every rank of ``group`` must call it, so it runs whatever this rank's own
@@ -39,8 +38,9 @@ def count_ranks_on_host(group: Any = None) -> int:
     if dist.get_backend(group) == "nccl":
         mine = mine.cuda()
     hosts = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    work = _inflight.issue(lambda: dist.all_gather(hosts, mine, group=group, async_op=True),
-                           (hosts, mine))  # fmt: skip
+    work = _inflight.issue(
+        lambda: dist.all_gather(hosts, mine, group=group, async_op=True), (hosts, mine)
+    )
     work.wait()
     del work  # the backend lets go of it before this returns (see _inflight)
     _inflight.settle((hosts, mine))

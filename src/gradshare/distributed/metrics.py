@@ -71,13 +71,14 @@ def warn_if_adaptive(optimizer: object, where: str) -> bool:
         return False
     name = type(_unwrapped(optimizer)).__name__
     warn_once(
-        logging.getLogger(__name__), "hook-adaptive",
+        logging.getLogger(__name__),
+        "hook-adaptive",
         f"{where} shares gradients (the hook) into {name}, which rescales every element by "
         "its own history: the elements the threshold holds back arrive late and in bursts, "
         f"and {name} turns them into full-size steps. Share the updates instead "
         "(SharedOptimizer: share='updates'), which trains better with adaptive optimizers "
         "(docs/guide.md).",
-    )  # fmt: skip
+    )
     return True
 
 
@@ -119,9 +120,13 @@ class Unsent:
 
 
 def share_metrics(
-    bytes_sent: int, dense_bytes: int, stats: Iterable[EncodeStats | None] = (), *,
-    encoded: bool = False, stalled: int = 0,
-) -> dict[str, float]:  # fmt: skip
+    bytes_sent: int,
+    dense_bytes: int,
+    stats: Iterable[EncodeStats | None] = (),
+    *,
+    encoded: bool = False,
+    stalled: int = 0,
+) -> dict[str, float]:
     """The metrics of a sharing mode: its byte counters, its last step's encode stats and
     the count of ``stalled`` tensors (:class:`Unsent`).
 

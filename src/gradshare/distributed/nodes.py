@@ -59,7 +59,10 @@ class NodeLayout:
 
 
 def node_layout(
-    hierarchical: bool | int, group: Any, private: Any, timeout: timedelta
+    hierarchical: bool | int,
+    group: dist.ProcessGroup | None,
+    private: dist.ProcessGroup,
+    timeout: timedelta,
 ) -> NodeLayout | None:
     """Resolve ``SharedOptimizer(hierarchical=...)``: None for the flat exchange.
 
@@ -86,8 +89,15 @@ def node_layout(
     )
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     table = [torch.empty_like(mine) for _ in range(world)]
-    collective(dist.all_gather, table, mine, group=private, timeout=timeout,
-               what="node layout exchange", rank=rank)  # fmt: skip
+    collective(
+        dist.all_gather,
+        table,
+        mine,
+        group=private,
+        timeout=timeout,
+        what="node layout exchange",
+        rank=rank,
+    )
     sizes = [int(t[0]) for t in table]
     if 0 in sizes:
         raise ValueError(
@@ -121,15 +131,15 @@ def node_layout(
         )
     ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
     node = rank // size
-    return NodeLayout(size, world // size, node, ranks[node * size : (node + 1) * size],
-                      ranks[rank % size :: size])  # fmt: skip
+    node_ranks, rail_ranks = ranks[node * size : (node + 1) * size], ranks[rank % size :: size]
+    return NodeLayout(size, world // size, node, node_ranks, rail_ranks)
 
 
 def broadcast_messages(
     messages: list[torch.Tensor | None] | None,
     *,
     src: int,
-    group: Any,
+    group: dist.ProcessGroup | None,
     num_nodes: int,
     numel: int,
     timeout: timedelta,
@@ -147,8 +157,15 @@ def broadcast_messages(
         header[0] = _FAILED if messages is None else _OK
         if messages is not None:
             header[2:] = torch.tensor([0 if m is None else m.numel() for m in messages])
-    collective(dist.broadcast, header, src=src, group=group, timeout=timeout,
-               what="node broadcast of the sizes", rank=rank)  # fmt: skip
+    collective(
+        dist.broadcast,
+        header,
+        src=src,
+        group=group,
+        timeout=timeout,
+        what="node broadcast of the sizes",
+        rank=rank,
+    )
     status, _, *sizes = header.cpu().tolist()
     if status != _OK:
         if rank == src:
@@ -159,8 +176,10 @@ def broadcast_messages(
         )
     cap = largest_message(numel)
     if not all(0 <= s <= cap for s in sizes):
-        raise ExchangeError(f"Rank {rank}: the node leader (rank {src}) sent sizes {sizes}, "
-                            f"but no valid message is longer than {cap} words.")  # fmt: skip
+        raise ExchangeError(
+            f"Rank {rank}: the node leader (rank {src}) sent sizes {sizes}, "
+            f"but no valid message is longer than {cap} words."
+        )
     total = sum(sizes)
     if total == 0:
         return [None] * num_nodes
@@ -169,8 +188,15 @@ def broadcast_messages(
         payload = torch.cat([m for m in messages if m is not None]).to(device)
     else:
         payload = torch.empty(total, dtype=torch.int32, device=device)
-    collective(dist.broadcast, payload, src=src, group=group, timeout=timeout,
-               what="node broadcast of the messages", rank=rank)  # fmt: skip
+    collective(
+        dist.broadcast,
+        payload,
+        src=src,
+        group=group,
+        timeout=timeout,
+        what="node broadcast of the messages",
+        rank=rank,
+    )
     out: list[torch.Tensor | None] = []
     start = 0
     for s in sizes:
@@ -227,10 +253,15 @@ class HierarchicalExchange:
         kw: dict[str, Any] = {"timeout": self.timeout, "device": self.device}
         try:  # 1. every rank of the node is well, then U = Σ of the node's updates
             node = self._node.get()
-            exchange_messages(None, self.numel, group=node, failure=failure, round=iteration,
-                              **kw)  # fmt: skip
-            collective(dist.all_reduce, update, group=node, timeout=self.timeout,
-                       what="node all-reduce", rank=rank)  # fmt: skip
+            exchange_messages(None, self.numel, group=node, failure=failure, round=iteration, **kw)
+            collective(
+                dist.all_reduce,
+                update,
+                group=node,
+                timeout=self.timeout,
+                what="node all-reduce",
+                rank=rank,
+            )
         except BaseException as e:
             if leader:
                 self._tell_leaders(e)
@@ -244,14 +275,24 @@ class HierarchicalExchange:
         try:  # 3. leaders exchange across nodes, then hand the messages to their node
             if leader:
                 try:
-                    gathered = exchange_messages(message, self.numel, group=self._leaders.get(),
-                                                 failure=failure, round=iteration,
-                                                 **kw)  # fmt: skip
+                    gathered = exchange_messages(
+                        message,
+                        self.numel,
+                        group=self._leaders.get(),
+                        failure=failure,
+                        round=iteration,
+                        **kw,
+                    )
                 except BaseException:
                     if failure is None:  # the others of the node wait for the broadcast
-                        broadcast_messages(None, src=rank, group=self._node.get(),
-                                           num_nodes=nodes.num_nodes, numel=self.numel,
-                                           **kw)  # fmt: skip
+                        broadcast_messages(
+                            None,
+                            src=rank,
+                            group=self._node.get(),
+                            num_nodes=nodes.num_nodes,
+                            numel=self.numel,
+                            **kw,
+                        )
                     raise
                 sent(0 if message is None else message.numel() * 4)
             elif failure is not None:
@@ -259,11 +300,20 @@ class HierarchicalExchange:
             else:
                 gathered = None
             messages = broadcast_messages(
-                gathered if leader else None, src=nodes.leader, group=self._node.get(),
-                num_nodes=nodes.num_nodes, numel=self.numel, **kw,
-            )  # fmt: skip
-            codec.subtract_sum_(messages, before, scratch, divisor=divisor,
-                                names=[f"node {k}" for k in range(nodes.num_nodes)])  # fmt: skip
+                gathered if leader else None,
+                src=nodes.leader,
+                group=self._node.get(),
+                num_nodes=nodes.num_nodes,
+                numel=self.numel,
+                **kw,
+            )
+            codec.subtract_sum_(
+                messages,
+                before,
+                scratch,
+                divisor=divisor,
+                names=[f"node {k}" for k in range(nodes.num_nodes)],
+            )
         except BaseException:
             if message is not None:
                 take_back(message, encoder.residual)  # type: ignore[arg-type]
@@ -272,5 +322,11 @@ class HierarchicalExchange:
     def _tell_leaders(self, error: BaseException) -> None:
         """This node failed before its exchange: let the other leaders raise at once too."""
         with contextlib.suppress(BaseException):
-            exchange_messages(None, self.numel, group=self._leaders.get(), timeout=self.timeout,
-                              device=self.device, failure=error)  # fmt: skip
+            exchange_messages(
+                None,
+                self.numel,
+                group=self._leaders.get(),
+                timeout=self.timeout,
+                device=self.device,
+                failure=error,
+            )

@@ -179,7 +179,7 @@ class SharedOptimizer(OptimizerWrapper):
         self,
         optimizer: torch.optim.Optimizer,
         *,
-        process_group: Any = None,
+        process_group: dist.ProcessGroup | None = None,
         model: torch.nn.Module | None = None,
         broadcast_buffers: bool = True,
         ddp: DistributedDataParallel | None = None,
@@ -224,13 +224,20 @@ class SharedOptimizer(OptimizerWrapper):
         synced = model if model is not None and ddp is None and broadcast_buffers else None
         self._buffers = BufferSync(synced or torch.nn.Module(), self._private, self.device)
         """``model``'s buffers, made rank 0's after every step (none with ``ddp=``)."""
-        agree(self._settings(hierarchical), group=self._private.get(), timeout=self.timeout,
-              what="SharedOptimizer", device=self.device)  # fmt: skip
+        agree(
+            self._settings(hierarchical),
+            group=self._private.get(),
+            timeout=self.timeout,
+            what="SharedOptimizer",
+            device=self.device,
+        )
         self.nodes = node_layout(hierarchical, process_group, self._private.get(), self.timeout)
         """The nodes of the hierarchical exchange (None: flat, every rank's message)."""
-        self._hierarchy = None if self.nodes is None else HierarchicalExchange(
-            self.nodes, self.numel, self.timeout, self.device
-        )  # fmt: skip
+        self._hierarchy: HierarchicalExchange | None = None
+        if self.nodes is not None:
+            self._hierarchy = HierarchicalExchange(
+                self.nodes, self.numel, self.timeout, self.device
+            )
         self._before = torch.empty(self.numel, dtype=params[0].dtype, device=self.device)
         self._update = torch.empty_like(self._before)
         self._scratch = torch.zeros_like(self._before)
@@ -240,14 +247,28 @@ class SharedOptimizer(OptimizerWrapper):
         self._buffers.sync()
         world = dist.get_world_size(process_group)
         if self.options.reduction is None and reduction == "sum" and world > 2:
-            warn_once(logger, "shared-sum",
-                      f"SharedOptimizer sums the {world} ranks' updates (reduction 'sum' by "
-                      f"default without `ddp=`): each step moves {world}x as far as one rank's "
-                      f"optimizer would, so a learning rate tuned for one process overshoots. "
-                      f"Divide the learning rate by {world}, or pass reduction='mean' (pass "
-                      "reduction='sum' to keep the sum and silence this).")  # fmt: skip
+            warn_once(
+                logger,
+                "shared-sum",
+                f"SharedOptimizer sums the {world} ranks' updates (reduction 'sum' by "
+                f"default without `ddp=`): each step moves {world}x as far as one rank's "
+                f"optimizer would, so a learning rate tuned for one process overshoots. "
+                f"Divide the learning rate by {world}, or pass reduction='mean' (pass "
+                "reduction='sum' to keep the sum and silence this).",
+            )
         if ddp is not None:
             ddp.register_comm_hook(None, noop_hook)  # every gradient stays local
+        logger.info(
+            "SharedOptimizer over %s: %d parameter tensors, %d elements, world %d, %s, "
+            "reduction %s, %s exchange",
+            type(optimizer).__name__,
+            len(params),
+            self.numel,
+            world,
+            "dense" if algorithm is None else algorithm,
+            reduction,
+            "flat" if self.nodes is None else f"hierarchical ({self.nodes.num_nodes} nodes)",
+        )
 
     # ------------------------------------------------------------------ set-up
 
@@ -266,8 +287,12 @@ class SharedOptimizer(OptimizerWrapper):
         }
         if self.encoder is not None:
             o = self.options
-            settings.update(threshold=self.encoder.algorithm, magnitude=o.magnitude,
-                            boundary=o.boundary, post_processor=o.post_processor)  # fmt: skip
+            settings.update(
+                threshold=self.encoder.algorithm,
+                magnitude=o.magnitude,
+                boundary=o.boundary,
+                post_processor=o.post_processor,
+            )
         return settings
 
     @torch.no_grad()
@@ -278,8 +303,15 @@ class SharedOptimizer(OptimizerWrapper):
         )
         flat = _flat_params(params, self._before)
         src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
-        collective(dist.broadcast, flat, src=src, group=self._private.get(), timeout=self.timeout,
-                   what="parameter broadcast", rank=rank)  # fmt: skip
+        collective(
+            dist.broadcast,
+            flat,
+            src=src,
+            group=self._private.get(),
+            timeout=self.timeout,
+            what="parameter broadcast",
+            rank=rank,
+        )
         self._unflatten(flat, params)
 
     @staticmethod
@@ -300,6 +332,7 @@ class SharedOptimizer(OptimizerWrapper):
         """Step locally, share the encoded update with every rank, apply the same sum."""
         params = self._params()
         before = _flat_params(params, self._before)
+        sent = self.bytes_sent
         message: torch.Tensor | None = None
         failure: BaseException | None = None
         loss = None
@@ -322,6 +355,9 @@ class SharedOptimizer(OptimizerWrapper):
         finally:  # the parameters before the local step, minus the shared sum if it applied
             self._unflatten(before, params)
         self._buffers.sync()
+        logger.debug(
+            "SharedOptimizer step %d: sent %d bytes", self.iteration, self.bytes_sent - sent
+        )
         self.iteration += 1
         return loss
 
@@ -356,13 +392,21 @@ class SharedOptimizer(OptimizerWrapper):
         group = self._private.get()
         try:
             messages = exchange_messages(
-                message, self.numel, group=group, timeout=self.timeout,
-                device=self.device, failure=failure, round=self.iteration,
-            )  # fmt: skip
+                message,
+                self.numel,
+                group=group,
+                timeout=self.timeout,
+                device=self.device,
+                failure=failure,
+                round=self.iteration,
+            )
             codec.subtract_sum_(
-                messages, before, self._scratch, divisor=self._divisor(),
+                messages,
+                before,
+                self._scratch,
+                divisor=self._divisor(),
                 names=rank_names(len(messages), group),
-            )  # fmt: skip
+            )
         except BaseException:
             if message is not None and self.encoder is not None:
                 take_back(message, self.encoder.residual)  # type: ignore[arg-type]
@@ -376,9 +420,16 @@ class SharedOptimizer(OptimizerWrapper):
             self.bytes_sent += n
 
         try:
-            self._hierarchy.share(self._update, before, self._scratch, self.encoder, failure,
-                                  iteration=self.iteration, divisor=self._divisor(),
-                                  sent=sent)  # fmt: skip
+            self._hierarchy.share(
+                self._update,
+                before,
+                self._scratch,
+                self.encoder,
+                failure,
+                iteration=self.iteration,
+                divisor=self._divisor(),
+                sent=sent,
+            )
         finally:
             if self.encoder.last_stats is not None:
                 self.last_stats = self.encoder.last_stats
@@ -389,11 +440,22 @@ class SharedOptimizer(OptimizerWrapper):
     def _dense_step(self, before: torch.Tensor, failure: BaseException | None) -> None:
         """The oracle: all-reduce the exact update (after the same status and size check)."""
         exchange_messages(
-            None, self.numel, group=self._private.get(), timeout=self.timeout,
-            device=self.device, failure=failure, round=self.iteration,
-        )  # fmt: skip
-        collective(dist.all_reduce, self._update, group=self._private.get(), timeout=self.timeout,
-                   what="dense all-reduce", rank=dist.get_rank())  # fmt: skip
+            None,
+            self.numel,
+            group=self._private.get(),
+            timeout=self.timeout,
+            device=self.device,
+            failure=failure,
+            round=self.iteration,
+        )
+        collective(
+            dist.all_reduce,
+            self._update,
+            group=self._private.get(),
+            timeout=self.timeout,
+            what="dense all-reduce",
+            rank=dist.get_rank(),
+        )
         before.sub_(self._update.div_(self._divisor()))
         self.bytes_sent += 4 * self.numel
 
@@ -407,8 +469,9 @@ class SharedOptimizer(OptimizerWrapper):
     def metrics(self) -> dict[str, float]:
         """``bytes_sent``, ``dense_bytes``, ``compression``, ``density``, ``threshold``
         (:func:`~gradshare.distributed.metrics.share_metrics`)."""
-        return share_metrics(self.bytes_sent, self.dense_bytes, [self.last_stats],
-                             encoded=not self.options.dense)  # fmt: skip
+        return share_metrics(
+            self.bytes_sent, self.dense_bytes, [self.last_stats], encoded=not self.options.dense
+        )
 
     # ------------------------------------------------------------------ checkpointing
 

@@ -143,9 +143,13 @@ class Encoder:
         return self._staging.copy_(flat)
 
     def encode(
-        self, update: torch.Tensor | None, iteration: int, epoch: int = 0, *,
+        self,
+        update: torch.Tensor | None,
+        iteration: int,
+        epoch: int = 0,
+        *,
         finite: bool = False,
-    ) -> torch.Tensor | None:  # fmt: skip
+    ) -> torch.Tensor | None:
         """Add ``update`` into the residual and return this step's message (or None).
 
         Args:

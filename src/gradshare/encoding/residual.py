@@ -75,9 +75,10 @@ class ResidualClipping(ResidualPostProcessor):
                 "under 1 the clip would cut what a message is about to send."
             )
         check_int(
-            frequency, "frequency", why=": it is the number of steps between clips (DL4J "
-            "divides by zero on 0)",
-        )  # fmt: skip
+            frequency,
+            "frequency",
+            why=": it is the number of steps between clips (DL4J divides by zero on 0)",
+        )
         self.threshold_multiple = multiple
         self.frequency = frequency
 

@@ -505,17 +505,3 @@ def resolve(threshold: ThresholdAlgorithm | None) -> ThresholdAlgorithm:
             f"{type(threshold).__name__}: wrap a number as FixedThreshold(t)."
         )
     return threshold
-
-
-def resolve_or_dense(
-    threshold: ThresholdAlgorithm | None, dense: bool
-) -> ThresholdAlgorithm | None:
-    """The algorithm to encode with, or None for the dense oracle (``dense=True``)."""
-    if dense:
-        if threshold is not None:
-            raise ValueError(
-                "Expect no `threshold` with `dense=True` (dense sharing sends every update "
-                f"exactly), got {threshold!r}."
-            )
-        return None
-    return resolve(threshold)

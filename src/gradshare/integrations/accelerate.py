@@ -76,14 +76,14 @@ class _RankSaves:
     def write_rank_file(self, models: Any, weights: Any, output_dir: str) -> None:
         step = getattr(self.obj, "iteration", getattr(self.obj, "steps", -1))  # hook, LocalSteps
         token = new_token(int(step), timeout=self.timeout)
-        save_rank_state(self.obj, accelerate_rank_file(output_dir, rank_and_world()[0]),
-                        token=token)  # fmt: skip
+        path = accelerate_rank_file(output_dir, rank_and_world()[0])
+        save_rank_state(self.obj, path, token=token)
         self.pending = (Path(output_dir), token)
 
     def read_rank_file(self, models: Any, input_dir: str) -> None:
         token, source = _read_token(Path(input_dir) / TOKEN_FILE)
-        load_rank_state(self.obj, accelerate_rank_file(input_dir, rank_and_world()[0]),
-                        token=token, source=source, timeout=self.timeout)  # fmt: skip
+        path = accelerate_rank_file(input_dir, rank_and_world()[0])
+        load_rank_state(self.obj, path, token=token, source=source, timeout=self.timeout)
 
     def then_token(self, save_state: Any) -> Any:
         """``save_state``, then, once every rank is through it, the token file."""

@@ -156,8 +156,9 @@ class GradshareCallback(TrainerCallback):
         train = trainer.train
 
         @functools.wraps(train)
-        def train_noting_checkpoint(resume_from_checkpoint: Any = None, *args: Any,
-                                    **kwargs: Any) -> Any:  # fmt: skip
+        def train_noting_checkpoint(
+            resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any
+        ) -> Any:
             return train(self._note_checkpoint(resume_from_checkpoint), *args, **kwargs)
 
         trainer.train = train_noting_checkpoint
@@ -248,8 +249,13 @@ class GradshareCallback(TrainerCallback):
         """This rank's file of ``resume``, checked against its token (on every rank alike)."""
         path = accelerate_rank_file(resume.folder, dist.get_rank())
         try:
-            load_rank_state(_RankFile(self), path, token=resume.token, source=resume.source,
-                            timeout=self.options.timeout)  # fmt: skip
+            load_rank_state(
+                _RankFile(self),
+                path,
+                token=resume.token,
+                source=resume.source,
+                timeout=self.options.timeout,
+            )
         except FileNotFoundError as e:
             raise FileNotFoundError(
                 f"{e} Trainer resumed {resume.folder.name}: {resume.fix}."
@@ -264,8 +270,7 @@ class GradshareCallback(TrainerCallback):
         """Trainer has written ``checkpoint-N`` with the token: every rank's file joins it."""
         token = SaveToken(state.stateful_callbacks[_TOKEN_KEY]["id"], state.global_step)
         folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-        save_rank_state(_RankFile(self), accelerate_rank_file(folder, dist.get_rank()),
-                        token=token)  # fmt: skip
+        save_rank_state(_RankFile(self), accelerate_rank_file(folder, dist.get_rank()), token=token)
         self._next_token(state)
 
     def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> None:

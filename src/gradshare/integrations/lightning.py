@@ -214,8 +214,13 @@ class GradshareDDPStrategy(DDPStrategy):
         path = Path(checkpoint_path)
         token = SaveToken.from_dict(checkpoint.get(_TOKEN_KEY))
         try:
-            load_rank_state(_RankFile(self), self._rank_file(path), token=token,
-                            source=str(path), timeout=self.options.timeout)  # fmt: skip
+            load_rank_state(
+                _RankFile(self),
+                self._rank_file(path),
+                token=token,
+                source=str(path),
+                timeout=self.options.timeout,
+            )
         except FileNotFoundError as e:
             if token is not None:
                 raise

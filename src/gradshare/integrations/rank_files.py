@@ -74,20 +74,22 @@ class Stateful(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
-def rank_and_world(group: Any = None) -> tuple[int, int]:
+def rank_and_world(group: dist.ProcessGroup | None = None) -> tuple[int, int]:
     if not dist.is_initialized():
         return 0, 1
     return dist.get_rank(group), dist.get_world_size(group)
 
 
-def _device(group: Any) -> torch.device:
+def _device(group: dist.ProcessGroup | None) -> torch.device:
     """Where a collective's tensors live: NCCL takes CUDA tensors only."""
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
-def new_token(step: int, group: Any = None, timeout: float | timedelta | None = None) -> SaveToken:
+def new_token(
+    step: int, group: dist.ProcessGroup | None = None, timeout: float | timedelta | None = None
+) -> SaveToken:
     """A token for this save: rank 0 draws the id and every rank gets it (a collective: every
     rank of ``group`` calls this, at the same save)."""
     _, world = rank_and_world(group)
@@ -95,16 +97,22 @@ def new_token(step: int, group: Any = None, timeout: float | timedelta | None = 
     if world > 1:
         ident = ident.to(_device(group))
         src = 0 if group is None else dist.get_global_rank(group, 0)
-        collective(dist.broadcast, ident, src=src, group=group, what="save token broadcast",
-                   timeout=timedelta(seconds=to_seconds(timeout)),
-                   rank=dist.get_rank())  # fmt: skip
+        collective(
+            dist.broadcast,
+            ident,
+            src=src,
+            group=group,
+            what="save token broadcast",
+            timeout=timedelta(seconds=to_seconds(timeout)),
+            rank=dist.get_rank(),
+        )
     return SaveToken(int(ident.item()), int(step))
 
 
 def save_rank_state(
     obj: Stateful,
     path: str | os.PathLike[str],
-    group: Any = None,
+    group: dist.ProcessGroup | None = None,
     token: SaveToken | None = None,
 ) -> Path:
     """Write ``obj.state_dict()`` of this rank to ``path``, with the rank, world size and the
@@ -177,7 +185,7 @@ def _versus(mine: SaveToken | None, token: SaveToken) -> str:
 def load_rank_state(
     obj: Stateful,
     path: str | os.PathLike[str],
-    group: Any = None,
+    group: dist.ProcessGroup | None = None,
     *,
     token: SaveToken | None = None,
     source: str = "the checkpoint",
@@ -209,9 +217,15 @@ def load_rank_state(
         row = torch.tensor([error is not None, mine.id, mine.step], dtype=torch.int64)
         row = row.to(_device(group))
         table = [torch.empty_like(row) for _ in range(world)]
-        collective(dist.all_gather, table, row, group=group, what="rank file agreement",
-                   timeout=timedelta(seconds=to_seconds(timeout)),
-                   rank=dist.get_rank())  # fmt: skip
+        collective(
+            dist.all_gather,
+            table,
+            row,
+            group=group,
+            what="rank file agreement",
+            timeout=timedelta(seconds=to_seconds(timeout)),
+            rank=dist.get_rank(),
+        )
         rows = [t.tolist() for t in table]
         failed = [r for r, (bad, _, _) in enumerate(rows) if bad]
         if error is not None:
@@ -250,11 +264,19 @@ def accelerate_rank_file(directory: str | os.PathLike[str], rank: int) -> Path:
     return Path(directory) / f"gradshare-rank{rank}.pt"
 
 
-def wait_for_ranks(what: str, group: Any = None, timeout: float | timedelta | None = None) -> None:
+def wait_for_ranks(
+    what: str, group: dist.ProcessGroup | None = None, timeout: float | timedelta | None = None
+) -> None:
     """Return once every rank of ``group`` has called this (a collective, bounded by
     ``timeout``; ``what`` names it in the error of a rank that waited in vain)."""
     if rank_and_world(group)[1] == 1:
         return
     flag = torch.ones(1, dtype=torch.int64).to(_device(group))
-    collective(dist.all_reduce, flag, group=group, what=what,
-               timeout=timedelta(seconds=to_seconds(timeout)), rank=dist.get_rank())  # fmt: skip
+    collective(
+        dist.all_reduce,
+        flag,
+        group=group,
+        what=what,
+        timeout=timedelta(seconds=to_seconds(timeout)),
+        rank=dist.get_rank(),
+    )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
@@ -27,6 +28,8 @@ from gradshare.encoding.options import EncodingOptions, encoding_options
 from gradshare.local.accumulator import AccumulatorError, EncodedGradientsAccumulator
 
 __all__ = ["ParallelWrapper", "StepStats"]
+
+logger = logging.getLogger(__name__)
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -136,6 +139,15 @@ class ParallelWrapper:
         self.epoch = 0
         self.history: list[StepStats] = []
         """Per-round, per-worker stats of every :meth:`fit`."""
+        mode = "dense" if options.dense else options.algorithm()
+        logger.info(
+            "ParallelWrapper: %d workers on %s, %d elements per replica, %s, reduction %s",
+            num_workers,
+            sorted({str(d) for d in self.devices}),
+            self.numel,
+            mode,
+            self.accumulator.reduction,
+        )
 
     @property
     def numel(self) -> int:
@@ -188,7 +200,13 @@ class ParallelWrapper:
         for w in range(active, self.num_workers):  # idle replicas apply this round too
             self.accumulator.apply_update(w, self._flat[w])
         self.iteration += 1
-        return [f.result() for f in futures]
+        stats = [f.result() for f in futures]
+        if logger.isEnabledFor(logging.DEBUG):
+            sent = sum(s.message_bytes for s in stats)
+            logger.debug(
+                "ParallelWrapper round %d: %d workers sent %d bytes", iteration, active, sent
+            )
+        return stats
 
     def _work(self, w: int, batch: Batch, iteration: int) -> StepStats:
         try:
@@ -355,13 +373,35 @@ def _stats(
     s = acc.last_stats[w]
     if acc.dense or s is None:
         return StepStats(
-            epoch, iteration, w, loss, None, "dense", 1.0, 4 * numel, 4 * numel, 0.0, 0.0,
-            compute, share,
-        )  # fmt: skip
+            epoch=epoch,
+            iteration=iteration,
+            worker=w,
+            loss=loss,
+            threshold=None,
+            format="dense",
+            density=1.0,
+            message_bytes=4 * numel,
+            dense_bytes=4 * numel,
+            residual_norm=0.0,
+            clipped=0.0,
+            compute_s=compute,
+            share_s=share,
+        )
     return StepStats(
-        epoch, iteration, w, loss, s.threshold, s.format, s.density, s.message_bytes,
-        s.dense_bytes, s.residual_norm, s.clipped, compute, share,
-    )  # fmt: skip
+        epoch=epoch,
+        iteration=iteration,
+        worker=w,
+        loss=loss,
+        threshold=s.threshold,
+        format=s.format,
+        density=s.density,
+        message_bytes=s.message_bytes,
+        dense_bytes=s.dense_bytes,
+        residual_norm=s.residual_norm,
+        clipped=s.clipped,
+        compute_s=compute,
+        share_s=share,
+    )
 
 
 def _first_error(futures: list[Future[StepStats]]) -> BaseException:

@@ -84,10 +84,8 @@ def threshold_hook(
     grad = bucket.buffer()
     params = state._runtime.params(bucket)  # learns the canonical places in the first pass
     group = state._runtime.exchange_group(state)
-    job = functools.partial(
-        _exchange_bucket, state, group, grad, bucket.index(), params, state.iteration,
-        _ready_event(grad),
-    )  # fmt: skip
+    index, iteration, ready = bucket.index(), state.iteration, _ready_event(grad)
+    job = functools.partial(_exchange_bucket, state, group, grad, index, params, iteration, ready)
     future = state._runtime.watch(state._runtime.pipeline.submit(job), grad)
     if state.iteration == state.start_iter and bucket.index() == 0 and state.start_iter:
         logger.info("threshold hook: encoding from iteration %d on", state.iteration)
@@ -107,7 +105,7 @@ def _ready_event(grad: torch.Tensor) -> Any:
 
 def _exchange_bucket(
     state: ThresholdHookState,
-    group: Any,
+    group: dist.ProcessGroup,
     grad: torch.Tensor,
     index: int,
     params: list[Param],
@@ -124,20 +122,35 @@ def _exchange_bucket(
     world = dist.get_world_size(group)
     numel = grad.numel()
     if not state._runtime.agreed:  # every rank's first exchange in this process
-        agree(state.settings(world), group=group, timeout=state.timeout,
-              what="ThresholdHookState (the DDP hook)", device=grad.device)  # fmt: skip
+        agree(
+            state.settings(world),
+            group=group,
+            timeout=state.timeout,
+            what="ThresholdHookState (the DDP hook)",
+            device=grad.device,
+        )
         state._runtime.agreed = True
+    sent_before = state.bytes_sent
     if iteration < state.start_iter or state.options.dense:
         # the same header as an encoded exchange first: ranks at different iterations (one
         # encoding, one all-reducing) meet in the same collective and raise alike
-        exchange_messages(None, numel, group=group, timeout=state.timeout, device=grad.device,
-                          round=iteration)  # fmt: skip
+        exchange_messages(
+            None, numel, group=group, timeout=state.timeout, device=grad.device, round=iteration
+        )
         out = grad.div_(state.divisor(world))
-        collective(dist.all_reduce, out, group=group, timeout=state.timeout,
-                   what="gradient all-reduce", rank=dist.get_rank())  # fmt: skip
+        collective(
+            dist.all_reduce,
+            out,
+            group=group,
+            timeout=state.timeout,
+            what="gradient all-reduce",
+            rank=dist.get_rank(),
+        )
         state.bytes_sent += 4 * numel
     else:
         out = _encoded_exchange(state, group, grad, index, params, iteration, world)
+    sent = state.bytes_sent - sent_before
+    logger.debug("threshold hook: iteration %d, bucket %d sent %d bytes", iteration, index, sent)
     state.dense_bytes += 4 * numel
     if ready is not None:
         torch.cuda.current_stream().synchronize()  # the bucket is final when DDP reads it
@@ -146,7 +159,7 @@ def _exchange_bucket(
 
 def _encoded_exchange(
     state: ThresholdHookState,
-    group: Any,
+    group: dist.ProcessGroup,
     grad: torch.Tensor,
     index: int,
     params: list[Param],
@@ -260,7 +273,7 @@ def _mask_(velocity: torch.Tensor, message: torch.Tensor) -> None:
 def register_threshold_hook(
     ddp_model: DistributedDataParallel,
     *,
-    process_group: Any = None,
+    process_group: dist.ProcessGroup | None = None,
     start_iter: int = 1,
     momentum: float = 0.0,
     options: EncodingOptions | None = None,

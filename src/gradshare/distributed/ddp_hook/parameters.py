@@ -97,8 +97,10 @@ class ParameterEncoders:
         for key, u in state["velocities"].items():
             place = _place(key)
             if not isinstance(u, torch.Tensor) or u.dim() != 1 or not u.is_floating_point():
-                raise ValueError(f"Hook state's velocity of parameter {place} is not a 1-D "
-                                 "floating tensor: the checkpoint is corrupted.")  # fmt: skip
+                raise ValueError(
+                    f"Hook state's velocity of parameter {place} is not a 1-D "
+                    "floating tensor: the checkpoint is corrupted."
+                )
             if not bool(u.isfinite().all()):
                 raise ValueError(
                     f"Hook state's velocity of parameter {place} has non-finite values: the "

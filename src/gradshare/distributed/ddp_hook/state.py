@@ -83,7 +83,7 @@ class ThresholdHookState:
 
     def __init__(
         self,
-        process_group: Any = None,
+        process_group: dist.ProcessGroup | None = None,
         *,
         start_iter: int = 1,
         momentum: float = 0.0,
@@ -106,6 +106,12 @@ class ThresholdHookState:
         """Bytes the same gradients take dense in float32."""
         self.last_stats: dict[Place, EncodeStats] = {}
         """Per parameter place: the :class:`~gradshare.EncodeStats` of its last step."""
+        if self.options.dense:
+            mode = "dense (exact all-reduce every iteration)"
+        else:
+            mode = f"{self.options.algorithm()} per parameter after {start_iter} exact iteration(s)"
+        reduction = self.options.reduce("mean")
+        logger.info("threshold hook: %s, momentum %g, reduction %s", mode, momentum, reduction)
 
     # ------------------------------------------------------------------ settings, read-only
 
@@ -145,8 +151,12 @@ class ThresholdHookState:
             "reduction": o.reduce("mean"),
         }
         if not o.dense:
-            settings.update(threshold=o.algorithm(), magnitude=o.magnitude, boundary=o.boundary,
-                            post_processor=o.post_processor)  # fmt: skip
+            settings.update(
+                threshold=o.algorithm(),
+                magnitude=o.magnitude,
+                boundary=o.boundary,
+                post_processor=o.post_processor,
+            )
         return settings
 
     def end_of_pass(self) -> None:
@@ -315,16 +325,11 @@ class _Runtime:
         if failure is not None:
             raise failure
 
-    def exchange_group(self, state: ThresholdHookState) -> Any:
+    def exchange_group(self, state: ThresholdHookState) -> dist.ProcessGroup:
         """The private twin of ``state.process_group`` (made on the first call, from the
         hook, so every rank of the group makes it at the same point)."""
         if self.group is None:
             self.group = PrivateGroup(state.process_group, state.timeout)
-            logger.info(
-                "threshold hook: %s per parameter, momentum %g, exact all-reduce for %d "
-                "iteration(s), exchanges over a private group",
-                state.options.algorithm(), state.momentum, state.start_iter,
-            )  # fmt: skip
         return self.group.get()
 
     def buffer(self, index: int, like: torch.Tensor) -> torch.Tensor:

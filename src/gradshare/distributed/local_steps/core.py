@@ -126,13 +126,13 @@ class LocalSteps:
         """Where the global copy, residuals and outer state live."""
         self.timeout = timedelta(seconds=self.options.seconds())
         self._private = PrivateGroup(group, self.timeout)
-        self._world, self._rank = dist.get_world_size(group), dist.get_rank(group)
-        buffers = BufferSync(model if o.broadcast_buffers else torch.nn.Module(),
-                             self._private, self.device)  # fmt: skip
+        self._world = dist.get_world_size(group)
+        synced = model if o.broadcast_buffers else torch.nn.Module()
+        buffers = BufferSync(synced, self._private, self.device)
         divisor = self._world if self.options.reduce("mean") == "mean" else 1
         self._protocol = Protocol(self._private, group, self.device, self.names, buffers, divisor)
-        self._schedule = Schedule([p.numel() for p in self.params], o.sync_every,
-                                  o.fragments, o.tau)  # fmt: skip
+        sizes = [p.numel() for p in self.params]
+        self._schedule = Schedule(sizes, o.sync_every, o.fragments, o.tau)
         self._outer_factory = outer_factory(o, inner_optimizer)
         self._outer_text = _optimizer_text(self._outer_factory([torch.zeros(1)]))
         self._scaler = grad_scaler
@@ -152,8 +152,8 @@ class LocalSteps:
         """Wall seconds the loop spent in syncs and merges (waits included; not saved)."""
         self.wait_seconds = 0.0
         """Wall seconds spent waiting for an exchange in flight (``overlap``; not saved)."""
-        agree(self.settings(), group=self._private.get(), timeout=self.timeout,
-              what="LocalSteps", device=self.device)  # fmt: skip
+        settings, private = self.settings(), self._private.get()
+        agree(settings, group=private, timeout=self.timeout, what="LocalSteps", device=self.device)
         self._protocol.broadcast_from_rank0(self.params)
         buffers.sync()
         self.global_params = [
@@ -163,14 +163,12 @@ class LocalSteps:
         """The global copy: the parameters every replica starts each round from (float32
         at least, so that small outer steps are not rounded away)."""
         self.outer = self._outer_factory(self.global_params)
-        self.encoders: list[Encoder] = [] if self.dense else [
-            self._new_encoder() for _ in self.params
-        ]  # fmt: skip
+        self.encoders: list[Encoder] = [self._new_encoder() for _ in self.params if not self.dense]
         """Per parameter: its residual and threshold state (none for dense syncs)."""
         self._fragments, self._flat, self._overlap = _build_rounds(self)
         self._hook(inner_optimizer, grad_scaler)
-        logger.info("%r: %d parameter tensors, %d elements, world %d", self,
-                    len(self.params), self.numel, self._world)  # fmt: skip
+        built = "%r: %d parameter tensors, %d elements, world %d"
+        logger.info(built, self, len(self.params), self.numel, self._world)
 
     # ------------------------------------------------------------------ set-up
 
@@ -261,8 +259,8 @@ class LocalSteps:
     def _step(self, frag: Fragment) -> None:
         """``frag``'s outer step; one that fails stops syncing for good."""
         try:
-            frag.outer_step(self.outer, f"LocalSteps sync round {self.syncs} (outer optimizer "
-                            f"{self._outer_text})")  # fmt: skip
+            what = f"LocalSteps sync round {self.syncs} (outer optimizer {self._outer_text})"
+            frag.outer_step(self.outer, what)
         except OuterStepError as e:
             self._broken = str(e)
             raise
@@ -299,11 +297,13 @@ class LocalSteps:
     def metrics(self) -> dict[str, float]:
         """:func:`~gradshare.distributed.metrics.share_metrics` of the counters and of the
         last sync whose exchange completed."""
-        shown = self._overlap.round.shown if self._overlap is not None else (
-            [e.last_stats for e in self.encoders]
-        )  # fmt: skip
-        return share_metrics(self.bytes_sent, self.dense_bytes, shown, encoded=not self.dense,
-                             stalled=self._unsent.stalled())  # fmt: skip
+        shown = [e.last_stats for e in self.encoders]
+        if self._overlap is not None:  # the last round whose exchange completed
+            shown = self._overlap.round.shown
+        stalled = self._unsent.stalled()
+        return share_metrics(
+            self.bytes_sent, self.dense_bytes, shown, encoded=not self.dense, stalled=stalled
+        )
 
     # ------------------------------------------------------------------ checkpointing
 
@@ -373,9 +373,16 @@ def _build_rounds(ls: LocalSteps) -> tuple[list[Fragment], Buffers, Overlap | No
     ``overlap`` what runs rounds in the background."""
     whole = [not ls.dense and sends_whole(ls._algorithm(), p.numel()) for p in ls.params]
     fragments, flat = build_fragments(
-        ls._schedule.spans, ls.names, ls.params, ls.global_params, ls.encoders, whole,
-        home=ls.home, keep_delta=ls.dense or bool(ls.overlap), overlap=bool(ls.overlap),
-    )  # fmt: skip
+        ls._schedule.spans,
+        ls.names,
+        ls.params,
+        ls.global_params,
+        ls.encoders,
+        whole,
+        home=ls.home,
+        keep_delta=ls.dense or bool(ls.overlap),
+        overlap=bool(ls.overlap),
+    )
     if not ls.overlap:
         return fragments, flat, None
     assert flat.base is not None
@@ -394,19 +401,30 @@ _SCALER_NOT_PASSED = (
 def settings_of(ls: LocalSteps) -> dict[str, Any]:
     """:meth:`LocalSteps.settings`: one dict for the agreement between ranks and the state."""
     o = ls.options
-    threshold = "dense" if ls.dense else (
-        f"{ls._algorithm()!r} magnitude={o.magnitude} boundary={o.boundary} "
-        f"post_processor={o.post_processor!r} reduction={o.reduce('mean')}"
-    )  # fmt: skip
+    if ls.dense:
+        threshold = "dense"
+    else:
+        threshold = (
+            f"{ls._algorithm()!r} magnitude={o.magnitude} boundary={o.boundary} "
+            f"post_processor={o.post_processor!r} reduction={o.reduce('mean')}"
+        )
     return {
-        "sync_every": ls.sync_every, "density": ls.density, "decay": ls.decay,
-        "dense": ls.dense, "overlap": ls.overlap, "fragments": ls.fragments,
-        "threshold": threshold, "outer_optimizer": ls._outer_text,
-        "names": list(ls.names), "shapes": [list(p.shape) for p in ls.params],
-        "dtypes": [str(p.dtype) for p in ls.params], "world_size": ls._world,
-        "grad_scaler": ls._scaler is not None, "compact": ls.compact,
+        "sync_every": ls.sync_every,
+        "density": ls.density,
+        "decay": ls.decay,
+        "dense": ls.dense,
+        "overlap": ls.overlap,
+        "fragments": ls.fragments,
+        "threshold": threshold,
+        "outer_optimizer": ls._outer_text,
+        "names": list(ls.names),
+        "shapes": [list(p.shape) for p in ls.params],
+        "dtypes": [str(p.dtype) for p in ls.params],
+        "world_size": ls._world,
+        "grad_scaler": ls._scaler is not None,
+        "compact": ls.compact,
         "buffers": ls._protocol.buffers.layout(),
-    }  # fmt: skip
+    }
 
 
 def _optimizer_text(optimizer: torch.optim.Optimizer) -> str:
@@ -432,9 +450,8 @@ def _driving_scaler() -> bool:
 
 
 def _check_arguments(
-    model: Any, inner: Any, grad_scaler: Any, local: LocalStepsOptions, threshold: Any,
-    dense: bool,
-) -> None:  # fmt: skip
+    model: Any, inner: Any, grad_scaler: Any, local: LocalStepsOptions, threshold: Any, dense: bool
+) -> None:
     """Refuse bad constructor arguments, one error each naming the argument and the fix."""
     from torch.nn.parallel import DistributedDataParallel
 

@@ -77,7 +77,7 @@ class Elastic:
 
     Example::
 
-        >>> elastic = Elastic("http://lighthouse:29510", heal={"scheduler": scheduler})  # doctest: +SKIP
+        >>> elastic = Elastic("http://lighthouse:29510", heal={"lr": scheduler})  # doctest: +SKIP
         >>> sync = LocalSteps(model, opt, sync_every=10, elastic=elastic)  # doctest: +SKIP
     """
 
@@ -256,7 +256,9 @@ def sync(ls: LocalSteps, frag: Fragment, member: Member) -> None:
                 f"LocalSteps sync round {ls.syncs}: no quorum committed the round within the "
                 f"timeout ({ls.timeout.total_seconds():g} s); last failure: {failure}"
             )
-        logger.info("LocalSteps: round %d failed (%s); again with the new quorum", ls.syncs, failure)
+        logger.info(
+            "LocalSteps: round %d failed (%s); again with the new quorum", ls.syncs, failure
+        )
     ls.bytes_sent += sent
     ls._step(frag)
     frag.take_global()
@@ -269,7 +271,9 @@ def sync(ls: LocalSteps, frag: Fragment, member: Member) -> None:
 
 def _reach(lighthouse: str | None, timeout: timedelta) -> None:
     """Raise within ``timeout`` unless something listens at the lighthouse's address."""
-    url = urllib.parse.urlparse(lighthouse if "://" in (lighthouse or "") else f"http://{lighthouse}")
+    url = urllib.parse.urlparse(
+        lighthouse if "://" in (lighthouse or "") else f"http://{lighthouse}"
+    )
     host, port = url.hostname or "localhost", url.port or 29510
     deadline = time.monotonic() + timeout.total_seconds()
     while True:

@@ -121,10 +121,16 @@ class LocalStepsOptions:
                 f"(e.g. lambda p: torch.optim.SGD(p, lr=1.0)), got {self.outer_optimizer!r}."
             )
         _check_bool(self.offload, "offload", "True keeps the global copy on the CPU")
-        _check_bool(self.compact, "compact", "True sends sparse pieces in their compact "
-                    "form, False in DL4J's")  # fmt: skip
-        _check_bool(self.broadcast_buffers, "broadcast_buffers", "True makes every rank's "
-                    "buffers rank 0's at each sync, as DDP does")  # fmt: skip
+        _check_bool(
+            self.compact,
+            "compact",
+            "True sends sparse pieces in their compact form, False in DL4J's",
+        )
+        _check_bool(
+            self.broadcast_buffers,
+            "broadcast_buffers",
+            "True makes every rank's buffers rank 0's at each sync, as DDP does",
+        )
         _check_overlap(self.overlap, h)
         f = self.fragments
         if isinstance(f, bool) or not isinstance(f, int) or not 1 <= f <= h:

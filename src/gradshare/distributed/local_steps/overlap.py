@@ -155,9 +155,11 @@ class Overlap:
         sent = self.round.wait()
         if sent is None:
             return None
-        numel = sum(f.numel for f in self.fragments) if flight is None else (
-            self.fragments[flight].numel
-        )  # fmt: skip
+        if flight is None:
+            numel = sum(f.numel for f in self.fragments)
+        else:
+            numel = self.fragments[flight].numel
+        logger.debug("LocalSteps: a round of %d elements arrived, %d bytes sent", numel, sent)
         return sent, numel
 
     def launch(

@@ -40,14 +40,34 @@ beside the settings, as every gradshare state records them, and the outer optimi
 settings."""
 
 LOADED = (
-    "sync_every", "density", "decay", "dense", "overlap", "fragments", "threshold", "names",
-    "shapes", "outer_optimizer",
-)  # fmt: skip
+    "sync_every",
+    "density",
+    "decay",
+    "dense",
+    "overlap",
+    "fragments",
+    "threshold",
+    "names",
+    "shapes",
+    "outer_optimizer",
+)
 """The settings a state must have been saved with to load (``compact`` and the buffers do
 not matter to the state: a state saved with either setting loads into the other)."""
 
-_KEYS = {"format", "settings", "steps", "syncs", "bytes_sent", "dense_bytes", "global",
-         "encoders", "outer", "pending", "base", "fragment"}  # fmt: skip
+_KEYS = {
+    "format",
+    "settings",
+    "steps",
+    "syncs",
+    "bytes_sent",
+    "dense_bytes",
+    "global",
+    "encoders",
+    "outer",
+    "pending",
+    "base",
+    "fragment",
+}
 
 
 # ---------------------------------------------------------------------- migrations
@@ -147,20 +167,24 @@ def load_state_dict(ls: LocalSteps, state: Any) -> None:
     state = current(state)
     check_saved_by(state, ls.group, "LocalSteps state")
     _check_settings(ls, check_mapping(state["settings"], "`settings`"))
-    counters = {k: check_counter(state, k, "LocalSteps state")
-                for k in ("steps", "syncs", "bytes_sent", "dense_bytes")}  # fmt: skip
+    counters = {
+        k: check_counter(state, k, "LocalSteps state")
+        for k in ("steps", "syncs", "bytes_sent", "dense_bytes")
+    }
     _check_counters(ls, counters["steps"], counters["syncs"])
     if not isinstance(state["encoders"], list) or not isinstance(state["global"], list):
-        raise ValueError("LocalSteps state's `encoders` and `global` must be lists: the "
-                         "checkpoint is corrupted.")  # fmt: skip
+        raise ValueError(
+            "LocalSteps state's `encoders` and `global` must be lists: the checkpoint is corrupted."
+        )
     glob = state["global"]
     _check_global(ls, glob)
     probes = _probe_encoders(ls, state["encoders"])
     pending, base, fragment = state["pending"], state["base"], state["fragment"]
     if pending is not None and (
-        isinstance(fragment, bool) or not isinstance(fragment, int)
+        isinstance(fragment, bool)
+        or not isinstance(fragment, int)
         or not 0 <= fragment < len(ls._fragments)
-    ):  # fmt: skip
+    ):
         raise ValueError(
             f"LocalSteps state's `fragment` must be the index of the fragment whose round "
             f"waits (0 to {len(ls._fragments) - 1}), got {fragment!r}: the checkpoint is "
@@ -196,9 +220,10 @@ def load_state_dict(ls: LocalSteps, state: Any) -> None:
 def _check_settings(ls: LocalSteps, saved: dict[str, Any]) -> None:
     here = ls.settings()
     differ = [
-        k for k in LOADED
+        k
+        for k in LOADED
         if saved.get(k) != here[k] and not (k == "outer_optimizer" and saved.get(k) is None)
-    ]  # fmt: skip
+    ]
     if differ:
         raise ValueError(
             "LocalSteps state was saved with other settings: "
@@ -222,10 +247,12 @@ def _check_counters(ls: LocalSteps, steps: int, syncs: int) -> None:
 
 def _check_global(ls: LocalSteps, glob: list[Any]) -> None:
     if len(glob) != len(ls.params) or any(
-        not isinstance(t, torch.Tensor) or t.shape != g.shape
-        or t.dtype not in (g.dtype, p.dtype) or not bool(t.isfinite().all())
+        not isinstance(t, torch.Tensor)
+        or t.shape != g.shape
+        or t.dtype not in (g.dtype, p.dtype)
+        or not bool(t.isfinite().all())
         for t, g, p in zip(glob, ls.global_params, ls.params, strict=False)
-    ):  # fmt: skip
+    ):
         raise ValueError(
             "LocalSteps state's global copy does not match the model's parameters (count, "
             "shape, dtype: the global copy's, or the parameter's in states saved before "
@@ -268,11 +295,14 @@ def _check_vector(ls: LocalSteps, value: Any, what: str) -> None:
         and bool(value.isfinite().all())
     ):
         return
-    want = "None" if not overlapping else (
-        f"None or a finite float32 vector of {ls.numel} elements"
-    )  # fmt: skip
-    got = (f"{value.dtype} of shape {tuple(value.shape)}"
-           if isinstance(value, torch.Tensor) else type(value).__name__)  # fmt: skip
+    want = "None"
+    if overlapping:
+        want = f"None or a finite float32 vector of {ls.numel} elements"
+    got = (
+        f"{value.dtype} of shape {tuple(value.shape)}"
+        if isinstance(value, torch.Tensor)
+        else type(value).__name__
+    )
     raise ValueError(
         f"LocalSteps state's {what} must be {want}, got {got}: the checkpoint is of "
         "another model or corrupted."
