@@ -11,6 +11,10 @@
     torchrun --nnodes=1:3 --nproc_per_node=1 --rdzv-backend=c10d --rdzv-endpoint=HOST:29400 \
         --max-restarts=3 examples/local_steps.py --checkpoint-dir ckpt   # one per machine
 
+    torchft_lighthouse --min_replicas 2 &      # train on when machines come and go (torchft)
+    python examples/local_steps.py --elastic http://HOST:29510 --replica 0   # on machine 0
+    python examples/local_steps.py --elastic http://HOST:29510 --replica 1   # on machine 1 ...
+
 Each rank trains its own replica with AdamW on its own share of the minibatches; every 10 inner
 steps the replicas' moves are threshold-encoded with error feedback, exchanged, averaged into
 the global copy by the outer optimizer, and every replica restarts from it. The training loop
@@ -20,6 +24,12 @@ from the newest step that every rank saved and can read (past a damaged file, al
 back alike: ``rank_checkpoints.py``), under ``torchrun --max-restarts`` too. A step saved by
 a world of another size (a machine gone for good, or one more, under torchrun's elastic
 ``--nnodes=MIN:MAX``) resumes resized: ``sync.load_state_dict(every_rank_file, resize=True)``.
+
+The other way needs no restart: with ``--elastic`` (``pip install gradshare[ft]``) each
+machine runs one process and torchft's lighthouse says who takes part in each sync. A machine
+that dies is dropped at the next sync and the others train on; started again (or a new one),
+it heals from a live peer (global copy, optimizers, LR schedule, counters) and enters at the
+others' step; SIGTERM makes it leave at its next sync, its residual sent whole.
 """
 
 from __future__ import annotations
@@ -62,6 +72,14 @@ def init_distributed() -> None:
     dist.init_process_group("gloo", store=attempt_store, rank=rank, world_size=world)
 
 
+def elastic_batches(split, epochs: int, batch_size: int, replica: int) -> list:
+    """Under ``--elastic`` the ranks come and go: each replica shuffles with its own seed."""
+    out = []
+    for epoch in range(epochs):
+        out += minibatches(split.x_train, split.y_train, batch_size, seed=1000 * replica + epoch)
+    return out
+
+
 def resume(ckpt: Path, model, inner, sync, rank: int, world: int) -> tuple[int, bool]:
     """Load the newest step every rank can read; a step saved by a world of another size is
     resized (``resize=True``: the departed ranks' residuals are folded into the others', a new
@@ -95,6 +113,13 @@ def main() -> None:
     parser.add_argument("--save-every", type=int, default=10)
     parser.add_argument("--out", type=str, default=None, help="rank 0 saves the parameters here")
     parser.add_argument(
+        "--elastic",
+        metavar="LIGHTHOUSE",
+        default=None,
+        help="train on when machines come and go: torchft's lighthouse address",
+    )
+    parser.add_argument("--replica", type=int, default=0, help="this machine's number (--elastic)")
+    parser.add_argument(
         "--crash-at-step",
         type=int,
         default=None,
@@ -103,19 +128,26 @@ def main() -> None:
     args = parser.parse_args()
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    init_distributed()
-    rank, world = dist.get_rank(), dist.get_world_size()
     split = digits(seed=0)
     model = mlp(split.num_features, split.num_classes, hidden=64, seed=0)
     inner = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    sync = gradshare.LocalSteps(model, inner, sync_every=args.sync_every)  # the added line
-    batches = schedule(split, args.epochs, args.batch_size, rank, world)
+    if args.elastic is None:
+        init_distributed()
+        rank, world = dist.get_rank(), dist.get_world_size()
+        sync = gradshare.LocalSteps(model, inner, sync_every=args.sync_every)  # the added line
+        batches = schedule(split, args.epochs, args.batch_size, rank, world)
+    else:  # no torchrun: a joiner heals here and starts at the others' step
+        rank, world = args.replica, 1
+        elastic = gradshare.Elastic(args.elastic, replica_id=f"replica{args.replica}")
+        sync = gradshare.LocalSteps(model, inner, sync_every=args.sync_every, elastic=elastic)
+        batches = elastic_batches(split, args.epochs, args.batch_size, args.replica)
     steps = len(batches) if args.steps is None else min(args.steps, len(batches))
     first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-    start, check = 0, False
-    if args.checkpoint_dir is not None:
-        start, check = resume(args.checkpoint_dir, model, inner, sync, rank, world)
-    for step in range(start, steps):
+    check = False
+    if args.checkpoint_dir is not None and args.elastic is None:
+        _, check = resume(args.checkpoint_dir, model, inner, sync, rank, world)
+    while sync.steps < steps and not sync.left:  # sync.left: this machine was asked to leave
+        step = sync.steps
         if step == args.crash_at_step and rank == world - 1 and first_attempt:
             os._exit(1)  # a worker dies (tests use this)
         x, y = batches[step]
@@ -133,7 +165,7 @@ def main() -> None:
             same = all(torch.equal(every[0], f) for f in every)
             if rank == 0:
                 print(f"replicas {'identical' if same else 'DIFFER'} after the first sync")
-        done = step + 1
+        done = sync.steps
         if args.checkpoint_dir is not None and done % args.save_every == 0:
             state = {
                 "model": model.state_dict(),
@@ -143,9 +175,11 @@ def main() -> None:
             save(args.checkpoint_dir, done, rank, state)
         if rank == 0 and (done % 50 == 0 or done == steps):
             print(f"step {done:4d}  loss {loss.item():.4f}  syncs {sync.syncs}")
+    if args.elastic is None:
+        sync.average()  # the replicas end alike, wherever the last sync was
     with torch.no_grad():
         accuracy = (model(split.x_test).argmax(1) == split.y_test).float().mean().item()
-    if args.out is not None and rank == 0:
+    if args.out is not None and (rank == 0 or args.elastic is not None):  # each machine its own
         torch.save(torch.cat([p.detach().reshape(-1) for p in model.parameters()]), args.out)
     if rank == 0:
         print(f"test accuracy {accuracy:.4f}")
@@ -154,7 +188,8 @@ def main() -> None:
             f"({sync.dense_bytes / max(sync.bytes_sent, 1):.0f}x less)"
         )
     sync.close()
-    dist.destroy_process_group()
+    if args.elastic is None:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -70,6 +70,14 @@ loader = [(torch.randn(4, 8), torch.randint(0, 2, (4,))) for _ in range(3)]
 loss_fn = torch.nn.CrossEntropyLoss()
 """,
 }
+FIXTURES["lighthouse"] = """
+import os
+
+from torchft._torchft import LighthouseServer
+
+lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=60_000)
+os.environ["TORCHFT_LIGHTHOUSE"] = lighthouse.address()
+"""
 FIXTURE_RANKS = {"ddp-model": 2}
 
 

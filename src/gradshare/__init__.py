@@ -43,7 +43,7 @@ from gradshare.distributed.ddp_hook import (
     threshold_hook,
 )
 from gradshare.distributed.exchange import ExchangeError, exchange_messages
-from gradshare.distributed.local_steps import LocalSteps, LocalStepsOptions
+from gradshare.distributed.local_steps import Elastic, LocalSteps, LocalStepsOptions
 from gradshare.distributed.shared_optimizer import SharedOptimizer
 from gradshare.encoding.encoder import Encoder, EncodeStats
 from gradshare.encoding.options import EncodingOptions
@@ -109,6 +109,7 @@ __all__ = [
     "ParallelWrapper",
     "StepStats",
     # across processes: torch.distributed
+    "Elastic",
     "ExchangeError",
     "LocalSteps",
     "LocalStepsOptions",

@@ -16,7 +16,7 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from gradshare.distributed.exchange import PrivateGroup, collective, this_rank
+from gradshare.distributed.exchange import GroupSource, collective, this_rank
 
 __all__ = ["BufferSync"]
 
@@ -35,7 +35,7 @@ class BufferSync:
 
     __slots__ = ("buffers", "device", "group", "names", "sent")
 
-    def __init__(self, module: torch.nn.Module, group: PrivateGroup, device: torch.device) -> None:
+    def __init__(self, module: torch.nn.Module, group: GroupSource, device: torch.device) -> None:
         named = list(module.named_buffers())
         self.names = [n for n, _ in named]
         self.buffers = [b for _, b in named]

@@ -30,7 +30,7 @@ import time
 import weakref
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -42,6 +42,7 @@ from gradshare.distributed import _inflight
 
 __all__ = [
     "ExchangeError",
+    "GroupSource",
     "Pipeline",
     "PrivateGroup",
     "collective",
@@ -311,6 +312,16 @@ def take_back(message: torch.Tensor, residual: torch.Tensor) -> None:
     corrupted one, refused by the exchange) is left out."""
     with contextlib.suppress(codec.MessageError):
         codec.decode_(message, residual)
+
+
+class GroupSource(Protocol):
+    """Where a front end's collectives run: :class:`PrivateGroup`, or an elastic member's
+    group of the moment."""
+
+    @property
+    def timeout(self) -> timedelta: ...
+
+    def get(self) -> dist.ProcessGroup: ...
 
 
 class PrivateGroup:

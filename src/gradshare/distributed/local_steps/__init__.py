@@ -71,10 +71,13 @@ What lives here:
 - :mod:`.fragment`: a fragment's views of every buffer and the arithmetic of a round;
 - :mod:`.protocol`: the round's collectives (header, status, dense or encoded mean);
 - :mod:`.overlap`: the round in flight, the carry, the lead, the flush;
-- :mod:`.state`: the checkpoint (save, load, migrations from earlier formats).
+- :mod:`.state`: the checkpoint (save, load, migrations from earlier formats);
+  :mod:`.resize`: a state saved at another world size, loaded at a restart;
+- :mod:`.elastic`: :class:`Elastic`, training on when ranks fail, leave or join (torchft).
 """
 
 from gradshare.distributed.local_steps.core import LocalSteps
+from gradshare.distributed.local_steps.elastic import Elastic
 from gradshare.distributed.local_steps.options import (
     DEFAULT_DECAY,
     DEFAULT_DENSITY,
@@ -91,6 +94,7 @@ __all__ = [
     "DEFAULT_OUTER_LR",
     "DEFAULT_OUTER_LR_SGD",
     "DEFAULT_SYNC_EVERY",
+    "Elastic",
     "LocalSteps",
     "LocalStepsOptions",
     "default_outer_lr",

@@ -21,6 +21,8 @@ from gradshare.distributed.agreement import agree
 from gradshare.distributed.buffers import BufferSync
 from gradshare.distributed.exchange import PrivateGroup
 from gradshare.distributed.local_steps import state as state_io
+from gradshare.distributed.local_steps.elastic import Elastic, Member, join
+from gradshare.distributed.local_steps.elastic import sync as elastic_sync
 from gradshare.distributed.local_steps.fragment import (
     Buffers,
     Fragment,
@@ -98,6 +100,7 @@ class LocalSteps:
         local: LocalStepsOptions | None = None,
         grad_scaler: Any = None,
         group: dist.ProcessGroup | None = None,
+        elastic: Elastic | None = None,
         options: EncodingOptions | None = None,
         **fields: Any,
     ) -> None:
@@ -108,7 +111,7 @@ class LocalSteps:
         self.options = encoding_options(options, fields, "LocalSteps")
         o, threshold = self.local, self.options.threshold
         self.dense = self.options.dense or (threshold is None and o.density == 1.0)
-        _check_arguments(model, inner_optimizer, grad_scaler, o, threshold, self.dense)
+        _check_arguments(model, inner_optimizer, grad_scaler, o, threshold, self.dense, elastic)
         # settings
         self.sync_every, self.decay, self.compact = o.sync_every, float(o.decay), o.compact
         self.density = None if threshold is not None else 1.0 if self.dense else float(o.density)
@@ -125,12 +128,13 @@ class LocalSteps:
         self.home = torch.device("cpu") if o.offload else self.device
         """Where the global copy, residuals and outer state live."""
         self.timeout = timedelta(seconds=self.options.seconds())
-        self._private = PrivateGroup(group, self.timeout)
-        self._world = dist.get_world_size(group)
+        self._private = PrivateGroup(group, self.timeout) if elastic is None else (
+            Member(elastic, self)
+        )  # fmt: skip
         synced = model if o.broadcast_buffers else torch.nn.Module()
         buffers = BufferSync(synced, self._private, self.device)
-        divisor = self._world if self.options.reduce("mean") == "mean" else 1
-        self._protocol = Protocol(self._private, group, self.device, self.names, buffers, divisor)
+        mean = self.options.reduce("mean") == "mean"
+        self._protocol = Protocol(self._private, group, self.device, self.names, buffers, mean)
         sizes = [p.numel() for p in self.params]
         self._schedule = Schedule(sizes, o.sync_every, o.fragments, o.tau)
         self._outer_factory = outer_factory(o, inner_optimizer)
@@ -152,10 +156,9 @@ class LocalSteps:
         """Wall seconds the loop spent in syncs and merges (waits included; not saved)."""
         self.wait_seconds = 0.0
         """Wall seconds spent waiting for an exchange in flight (``overlap``; not saved)."""
-        settings, private = self.settings(), self._private.get()
-        agree(settings, group=private, timeout=self.timeout, what="LocalSteps", device=self.device)
-        self._protocol.broadcast_from_rank0(self.params)
-        buffers.sync()
+        self.left = False  # this rank left the quorum (Elastic.leave): it syncs no more
+        if elastic is None:  # every rank alike, then rank 0's parameters and buffers
+            _agree_and_broadcast(self, buffers)
         self.global_params = [
             p.detach().to(self.home, torch.promote_types(p.dtype, torch.float32), copy=True)
             for p in self.params
@@ -166,9 +169,11 @@ class LocalSteps:
         self.encoders: list[Encoder] = [self._new_encoder() for _ in self.params if not self.dense]
         """Per parameter: its residual and threshold state (none for dense syncs)."""
         self._fragments, self._flat, self._overlap = _build_rounds(self)
-        self._hook(inner_optimizer, grad_scaler)
+        self._handle = _hook(self, inner_optimizer, grad_scaler)
+        if isinstance(self._private, Member):  # the first quorum, and the sync it is at
+            join(self, self._private)
         built = "%r: %d parameter tensors, %d elements, world %d"
-        logger.info(built, self, len(self.params), self.numel, self._world)
+        logger.info(built, self, len(self.params), self.numel, self._protocol.world)
 
     # ------------------------------------------------------------------ set-up
 
@@ -190,21 +195,6 @@ class LocalSteps:
     def settings(self) -> dict[str, Any]:
         """What every rank must agree on, and a state records (:func:`settings_of`)."""
         return settings_of(self)
-
-    def _hook(self, inner: torch.optim.Optimizer, scaler: Any) -> None:
-        """Count iterations: by the inner optimizer's steps, or by ``scaler.update()``."""
-        _SYNCED[inner] = None
-        self._handle: Any = None
-        if scaler is None:
-            self._handle = inner.register_step_post_hook(self._after_step)
-            return
-        update = scaler.update
-
-        def counted_update(new_scale: Any = None) -> None:
-            update(new_scale)
-            self._tick()
-
-        scaler.update = counted_update
 
     # ------------------------------------------------------------------ counting
 
@@ -238,6 +228,8 @@ class LocalSteps:
 
     def _sync(self, frag: Fragment) -> None:
         """One sync of ``frag``; on any error nothing is stepped."""
+        if isinstance(self._private, Member):
+            return elastic_sync(self, frag, self._private)
         if self._overlap is not None:
             self._receive()  # the last round's exchange ends before this thread's collectives
         received = self._overlap is not None and self._overlap.received
@@ -289,9 +281,14 @@ class LocalSteps:
 
     def average(self) -> None:
         """At the end of a run (a collective): every replica and the global copy take the mean
-        of the replicas, where they may differ (:func:`_alike`), with a dense all-reduce."""
+        of the replicas, where they may differ (:func:`_alike`), with a dense all-reduce;
+        under ``elastic``, a sync with the quorum of the moment."""
         self.flush()
-        if not _alike(self):
+        if _alike(self) or self.left:
+            return
+        if isinstance(self._private, Member):
+            elastic_sync(self, self._fragments[0], self._private)
+        else:
             self.bytes_sent += self._protocol.average_(self.params, self.global_params)
 
     def metrics(self) -> dict[str, float]:
@@ -329,6 +326,8 @@ class LocalSteps:
             self._unhook()
             if self._overlap is not None:
                 self._overlap.close()
+            if isinstance(self._private, Member):
+                self._private.shutdown()
 
     def _unhook(self) -> None:
         _SYNCED.pop(self.inner, None)
@@ -366,6 +365,31 @@ def _describe(ls: LocalSteps) -> str:
         f"outer={ls._outer_text}{f', overlap={ls.overlap}' if ls.overlap else ''}"
         f"{f', fragments={ls.fragments}' if ls.fragments > 1 else ''})"
     )
+
+
+def _hook(ls: LocalSteps, inner: torch.optim.Optimizer, scaler: Any) -> Any:
+    """Count iterations: by the inner optimizer's steps (its hook's handle), or by
+    ``scaler.update()`` (None)."""
+    _SYNCED[inner] = None
+    if scaler is None:
+        return inner.register_step_post_hook(ls._after_step)
+    update = scaler.update
+
+    def counted_update(new_scale: Any = None) -> None:
+        update(new_scale)
+        ls._tick()
+
+    scaler.update = counted_update
+    return None
+
+
+def _agree_and_broadcast(ls: LocalSteps, buffers: BufferSync) -> None:
+    """At construction: every rank's settings agree; every replica takes rank 0's parameters
+    and buffers."""
+    agree(ls.settings(), group=ls._private.get(), timeout=ls.timeout, what="LocalSteps",
+          device=ls.device)  # fmt: skip
+    ls._protocol.broadcast_from_rank0(ls.params)
+    buffers.sync()
 
 
 def _build_rounds(ls: LocalSteps) -> tuple[list[Fragment], Buffers, Overlap | None]:
@@ -420,7 +444,7 @@ def settings_of(ls: LocalSteps) -> dict[str, Any]:
         "names": list(ls.names),
         "shapes": [list(p.shape) for p in ls.params],
         "dtypes": [str(p.dtype) for p in ls.params],
-        "world_size": ls._world,
+        "world_size": ls._protocol.world,
         "grad_scaler": ls._scaler is not None,
         "compact": ls.compact,
         "buffers": ls._protocol.buffers.layout(),
@@ -450,7 +474,13 @@ def _driving_scaler() -> bool:
 
 
 def _check_arguments(
-    model: Any, inner: Any, grad_scaler: Any, local: LocalStepsOptions, threshold: Any, dense: bool
+    model: Any,
+    inner: Any,
+    grad_scaler: Any,
+    local: LocalStepsOptions,
+    threshold: Any,
+    dense: bool,
+    elastic: Any,
 ) -> None:
     """Refuse bad constructor arguments, one error each naming the argument and the fix."""
     from torch.nn.parallel import DistributedDataParallel
@@ -494,6 +524,16 @@ def _check_arguments(
             f"Expect `grad_scaler` to be a torch.amp.GradScaler, got {type(grad_scaler).__name__}."
         )
     local.check(threshold, dense, sum(1 for _ in model.parameters()))
+    if elastic is not None:
+        if not isinstance(elastic, Elastic):
+            raise TypeError(f"Expect `elastic` to be a gradshare.Elastic, got {elastic!r}.")
+        if local.tau or local.fragments > 1:
+            raise ValueError(
+                f"Expect no `overlap` and one fragment with `elastic`, got overlap="
+                f"{local.overlap!r}, fragments={local.fragments}: a rank that leaves sends its "
+                "whole residual at one sync, and a round commits before the next."
+            )
+        return
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
             "LocalSteps needs a process group: call torch.distributed.init_process_group() "

@@ -66,7 +66,11 @@ class Elastic:
             ``TORCHFT_LIGHTHOUSE`` environment variable; ``torchft_lighthouse
             --min_replicas 1 --join_timeout_ms 1000`` runs one).
         replica_id: this machine's name in the quorum (default: host name and process id).
-        min_replicas: the fewest ranks a round may commit with (>= 1).
+        min_replicas: the fewest ranks a round may commit with (>= 1; the lighthouse's
+            ``--min_replicas`` should be the same).
+        join_timeout: the longest a rank waits for its first quorum at construction: the
+            running job's next sync, or the other ranks of a new job (seconds or a
+            timedelta; LocalSteps' ``timeout`` bounds every later round).
         heal: other things a joining rank takes from a live peer, by name: objects with
             ``state_dict`` and ``load_state_dict`` (an LR scheduler), beside the global
             copy, the outer optimizer, the counters and the inner optimizer.
@@ -87,6 +91,7 @@ class Elastic:
         *,
         replica_id: str | None = None,
         min_replicas: int = 1,
+        join_timeout: timedelta | float = timedelta(minutes=10),
         heal: Mapping[str, Any] | None = None,
         hostname: str | None = None,
         leave_on_sigterm: bool = True,
@@ -100,6 +105,10 @@ class Elastic:
             )
         if isinstance(min_replicas, bool) or not isinstance(min_replicas, int) or min_replicas < 1:
             raise ValueError(f"Expect `min_replicas` to be an int >= 1, got {min_replicas!r}.")
+        if not isinstance(join_timeout, timedelta):
+            join_timeout = timedelta(seconds=float(join_timeout))
+        if join_timeout.total_seconds() <= 0:
+            raise ValueError(f"Expect `join_timeout` > 0, got {join_timeout}.")
         heal = dict(heal or {})
         for name, obj in heal.items():
             if not (callable(getattr(obj, "state_dict", None))
@@ -110,6 +119,7 @@ class Elastic:
                 )
         self.replica_id = replica_id or f"{socket.gethostname()}-{os.getpid()}"
         self.min_replicas = min_replicas
+        self.join_timeout = join_timeout
         self.heal = heal
         self.hostname = hostname or socket.gethostname()
         self.leave_on_sigterm = leave_on_sigterm
@@ -137,6 +147,7 @@ class Member:
         timeout = ls.timeout
         _reach(config.lighthouse, timeout)
         self.store = dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False)
+        self.transport = _weights_only_transport(timeout)
         self.manager = Manager(
             pg=ProcessGroupGloo(timeout=timeout),
             load_state_dict=None,
@@ -145,7 +156,7 @@ class Member:
             use_async_quorum=False,
             timeout=timeout,
             quorum_timeout=timeout,
-            connect_timeout=timeout,
+            connect_timeout=max(timeout, config.join_timeout),
             rank=0,
             world_size=1,
             store_addr=config.hostname,
@@ -153,12 +164,14 @@ class Member:
             lighthouse_addr=config.lighthouse,
             replica_id=config.replica_id,
             hostname=config.hostname,
-            checkpoint_transport=_weights_only_transport(timeout),
+            checkpoint_transport=self.transport,
             init_sync=True,
         )
         self.manager.register_state_dict_fn("gradshare", self._load, self._save)
         self.healed = False
         """The last quorum healed this rank from a peer."""
+        self.committed = False
+        """This rank has synced with the others (a heal then keeps what it owes)."""
         if config.leave_on_sigterm:
             signal.signal(signal.SIGTERM, lambda *_: config.leave())
 
@@ -174,39 +187,70 @@ class Member:
         return {"local_steps": mine, "inner": self.ls.inner.state_dict(), "extra": extra}
 
     def _load(self, state: dict[str, Any]) -> None:
-        """Take a live peer's state (the heal); the replica becomes the global copy."""
-        state_io.load_state_dict(self.ls, state["local_steps"])
-        self.ls.inner.load_state_dict(state["inner"])
+        """Take a live peer's state (the heal); the replica becomes the global copy. A rank
+        that synced with the others before and missed a quorum (it was slow) keeps what it
+        owes, β·residual + Δ, in its residual: sent at its next sync, not lost."""
+        ls = self.ls
+        owed = self._owed() if self.committed else None
+        state_io.load_state_dict(ls, state["local_steps"])
+        ls.inner.load_state_dict(state["inner"])
         for name, obj in self.config.heal.items():
             obj.load_state_dict(state["extra"][name])
         with torch.no_grad():
-            for p, g in zip(self.ls.params, self.ls.global_params, strict=True):
+            for p, g in zip(ls.params, ls.global_params, strict=True):
                 p.copy_(g)
+            for enc, kept in zip(ls.encoders, owed or [], strict=False):
+                enc.residual = kept
         self.healed = True
+
+    def _owed(self) -> list[torch.Tensor] | None:
+        """β·residual + (global copy - replica) per encoder, as a sync computes it."""
+        ls = self.ls
+        if not ls.encoders:
+            logger.warning("LocalSteps: dense syncs keep no residual; the round this rank "
+                           "missed is dropped")  # fmt: skip
+            return None
+        owed = []
+        for enc, p, g in zip(ls.encoders, ls.params, ls.global_params, strict=False):
+            d = g.detach().to(ls.home, torch.float32).reshape(-1)
+            d = d - p.detach().to(ls.home, torch.float32).reshape(-1)
+            if enc.residual is not None:
+                d.add_(enc.residual, alpha=ls.decay)
+            owed.append(d)
+        return owed
 
     # ------------------------------------------------------------------ a round
 
-    def quorum(self) -> tuple[int, int]:
-        """Join the quorum of this sync (a heal, if this rank is behind); (rank, ranks)."""
+    def quorum(self, wait: timedelta) -> tuple[int, int]:
+        """Join the quorum of this sync (a heal, if this rank is behind), waiting at most
+        ``wait``; (rank, ranks)."""
         self.healed = False
         try:
-            self.manager.start_quorum()
+            self.manager.start_quorum(timeout=wait)
         except Exception as e:
             raise ExchangeError(
                 f"LocalSteps: no quorum of {self.config.min_replicas} rank(s) formed at the "
-                f"lighthouse {self.config.lighthouse} within the timeout "
-                f"({self.ls.timeout.total_seconds():g} s): too few ranks are up, or the "
-                f"lighthouse is gone ({type(e).__name__}: {e})."
+                f"lighthouse {self.config.lighthouse} within {wait.total_seconds():g} s: too "
+                f"few ranks are up, or the lighthouse is gone ({type(e).__name__}: {e})."
             ) from e
         rank, world = self.manager.participating_rank(), self.manager.num_participants()
+        if self.healed:
+            t = self.transport
+            logger.info("LocalSteps: healed from a peer at step %d: %.1f MB in %.3f s",
+                        self.ls.steps, t.bytes / 1e6, t.seconds)  # fmt: skip
         if rank is None:
             raise ExchangeError("LocalSteps: this rank is not part of the quorum (a spare).")
         pg = self.manager._pg
         exchange.name_group(pg, rank, [f"replica {r}" for r in range(world)])
         return rank, world
 
-    def group(self) -> Any:
+    def get(self) -> dist.ProcessGroup:
+        """The process group of this quorum's ranks (torchft's, rebuilt at each quorum)."""
         return self.manager._pg
+
+    @property
+    def timeout(self) -> timedelta:
+        return self.ls.timeout
 
     def commit(self) -> bool:
         """Whether every rank of the quorum got through the round (torchft's commit)."""
@@ -221,18 +265,18 @@ def join(ls: LocalSteps, member: Member) -> None:
     """At construction: the first quorum (a heal from a live peer for a rank that joins a
     running job; from the first rank for every rank of a new job), and the sync the others
     are at, which this rank enters with an empty pseudo-gradient."""
-    frag = ls._fragments[0]
-    sync(ls, frag, member)
+    sync(ls, ls._fragments[0], member, member.config.join_timeout)
 
 
-def sync(ls: LocalSteps, frag: Fragment, member: Member) -> None:
+def sync(ls: LocalSteps, frag: Fragment, member: Member, wait: timedelta | None = None) -> None:
     """One sync under torchft: run the round with the quorum of the moment until it commits
-    (or the timeout has passed), then the outer step."""
-    deadline = time.monotonic() + ls.timeout.total_seconds()
+    (or ``wait``, default the timeout, has passed), then the outer step."""
+    wait = wait or ls.timeout
+    deadline = time.monotonic() + wait.total_seconds()
     leaving = member.config.leaving
     while True:
-        rank, world = member.quorum()
-        ls._protocol.reconfigure(member, rank, world)
+        rank, world = member.quorum(timedelta(seconds=max(0.1, deadline - time.monotonic())))
+        ls._protocol.reconfigure(rank, world)
         failure: BaseException | None = None
         before: list[dict[str, Any]] = []
         sent = 0
@@ -241,24 +285,31 @@ def sync(ls: LocalSteps, frag: Fragment, member: Member) -> None:
             job, before = ls._protocol.mean_job(frag, ls.syncs, ls.compact, ls._unsent,
                                                 whole=leaving)  # fmt: skip
             sent += undone_on_error(frag, before, job)
-        except (ExchangeError, RuntimeError) as e:  # a peer lost: the round fails everywhere
+        except Exception as e:  # a peer lost (or its group not formed): the round fails everywhere
             member.manager.report_error(e)
             failure = e
         except BaseException:
             member.manager.report_error(RuntimeError("this rank stopped"))
             raise
-        if member.commit():
+        ok = member.commit()
+        if ok:
             break
         if failure is None:  # the exchange went through here, a peer's did not
             frag.put_back(before)
         if time.monotonic() > deadline:
+            few = member.config.min_replicas
+            why = (
+                f"the quorum had {world} rank(s), fewer than the {few} of `min_replicas`"
+                if world < few else failure or "a rank of the quorum failed it"
+            )  # fmt: skip
             raise ExchangeError(
-                f"LocalSteps sync round {ls.syncs}: no quorum committed the round within the "
-                f"timeout ({ls.timeout.total_seconds():g} s); last failure: {failure}"
+                f"LocalSteps sync round {ls.syncs}: no quorum committed the round within "
+                f"{wait.total_seconds():g} s: {why}."
             )
         logger.info(
             "LocalSteps: round %d failed (%s); again with the new quorum", ls.syncs, failure
         )
+    member.committed = True
     ls.bytes_sent += sent
     ls._step(frag)
     frag.take_global()
@@ -274,7 +325,7 @@ def _reach(lighthouse: str | None, timeout: timedelta) -> None:
     url = urllib.parse.urlparse(
         lighthouse if "://" in (lighthouse or "") else f"http://{lighthouse}"
     )
-    host, port = url.hostname or "localhost", url.port or 29510
+    host, port = str(url.hostname or "localhost"), url.port or 29510
     deadline = time.monotonic() + timeout.total_seconds()
     while True:
         try:
@@ -296,12 +347,24 @@ def _weights_only_transport(timeout: timedelta) -> Any:
     from torch.distributed._serialization import _streaming_load
     from torchft.checkpointing.http_transport import HTTPTransport
 
-    class WeightsOnly(HTTPTransport):  # type: ignore[misc]
+    class WeightsOnly(HTTPTransport):
+        seconds, bytes = 0.0, 0
+        """The last heal's transfer: wall seconds and tensor bytes."""
+
         @classmethod
         def _load_from_address(cls, address: str, timeout: timedelta) -> object:
             import urllib.request
 
             with urllib.request.urlopen(address, timeout=timeout.total_seconds()) as f:
                 return _streaming_load(f, weights_only=True)
+
+        def recv_checkpoint(self, src_rank: int, metadata: str, step: int,
+                            timeout: timedelta) -> Any:  # fmt: skip
+            start = time.monotonic()
+            state = super().recv_checkpoint(src_rank, metadata, step, timeout)
+            self.seconds = time.monotonic() - start
+            tensors = torch.utils._pytree.tree_leaves(state)
+            self.bytes = sum(t.nbytes for t in tensors if isinstance(t, torch.Tensor))
+            return state
 
     return WeightsOnly(timeout=timeout, num_chunks=0)

@@ -156,13 +156,14 @@ class Fragment:
     # ------------------------------------------------------------------ the encode
 
     def encode(
-        self, round: int, compact: bool, unsent: Unsent
+        self, round: int, compact: bool, unsent: Unsent, whole: bool = False
     ) -> tuple[torch.Tensor | None, Exception | None, list[dict[str, Any]]]:
         """Encode each residual (β·residual + Δ, :meth:`pseudo_gradient_`'s) into this
         rank's message, its parameters' pieces back to back. Returns the message, the error
         if encoding failed, and every encoder's state from before this round (a round that
         fails puts it back whole: the decay, Δ, what was encoded and the threshold state; the
-        residuals themselves are in the backup)."""
+        residuals themselves are in the backup). ``whole``: every residual goes whole, a
+        dense piece (a rank that leaves)."""
         sent: list[tuple[torch.Tensor | None, float]] = []
         mine, failure = None, None
         before = [enc.state_dict(residual=False) for enc in self.encoders]
@@ -170,7 +171,7 @@ class Fragment:
             for j, (enc, state) in enumerate(zip(self.encoders, before, strict=True)):
                 state["residual"] = self.backups[j]
                 message: torch.Tensor | None
-                if self.whole[j]:  # too small: a dense piece
+                if whole or self.whole[j]:  # too small (or leaving): a dense piece
                     message = enc.encode_whole(None, round)
                 else:
                     message = enc.encode(None, round)

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from gradshare.codec.flat import slices
 from gradshare.distributed.buffers import BufferSync
 from gradshare.distributed.exchange import (
-    PrivateGroup,
+    GroupSource,
     collective,
     exchange_pieces,
     global_ranks,
@@ -50,25 +50,34 @@ class Protocol:
             ``"mean"``).
     """
 
-    __slots__ = ("buffers", "device", "divisor", "group", "names", "private", "rank", "world")
+    __slots__ = (
+        "buffers", "device", "divisor", "group", "mean", "names", "private", "rank", "world",
+    )  # fmt: skip
 
     def __init__(
         self,
-        private: PrivateGroup,
+        private: GroupSource,
         group: dist.ProcessGroup | None,
         device: torch.device,
         names: list[str],
         buffers: BufferSync,
-        divisor: int,
+        mean: bool,
     ) -> None:
         self.private = private
         self.group = group
         self.device = device
         self.names = names
         self.buffers = buffers
-        self.divisor = divisor
-        self.world = dist.get_world_size(group)
-        self.rank = dist.get_rank(group)
+        self.mean = mean
+        """The summed outer gradients are divided by the world size (``"mean"``)."""
+        self.world, self.rank, self.divisor = 1, 0, 1
+        if dist.is_initialized():
+            self.reconfigure(dist.get_rank(group), dist.get_world_size(group))
+
+    def reconfigure(self, rank: int, world: int) -> None:
+        """This rank's place in the ranks that take part (another quorum's, elastic)."""
+        self.rank, self.world = rank, world
+        self.divisor = world if self.mean else 1
 
     @property
     def timeout(self) -> timedelta:
@@ -110,16 +119,17 @@ class Protocol:
             raise
 
     def mean_job(
-        self, fragment: Fragment, round: int, compact: bool, unsent: Unsent
+        self, fragment: Fragment, round: int, compact: bool, unsent: Unsent, whole: bool = False
     ) -> tuple[Callable[[], int], list[dict[str, Any]]]:
         """The round's exchange, to run now or in the background (it leaves the mean in the
         fragment's part of the mean buffer and returns the bytes this rank sent), and every
         encoder's state from before the encode. An encode that fails tells the other ranks
-        now and raises, every encoder put back."""
+        now and raises, every encoder put back. ``whole``: every residual goes out whole (a
+        rank that leaves)."""
         group = self.private.get()
         if not fragment.encoders:
             return (lambda: self.dense_mean(group, fragment)), []
-        mine, failure, before = fragment.encode(round, compact, unsent)
+        mine, failure, before = fragment.encode(round, compact, unsent, whole)
         if failure is not None:  # nothing is in flight: the others hear of it now
             undone_on_error(fragment, before, lambda: self.encoded_mean(
                 group, fragment, None, failure, round))  # fmt: skip
@@ -142,7 +152,7 @@ class Protocol:
         if len({row[0] for row in table}) > 1:
             rounds = ", ".join(
                 f"{row[0]} on rank {r}"
-                for r, row in zip(global_ranks(self.group), table, strict=True)
+                for r, row in zip(global_ranks(self.private.get()), table, strict=True)
             )
             raise ValueError(
                 f"LocalSteps (sync): the ranks are at different sync rounds, `round` {rounds}: "
@@ -152,7 +162,7 @@ class Protocol:
 
     def check(self, table: list[list[int]], round: int) -> None:
         """Raise the same error on every rank when a rank failed or sent a non-finite Δ."""
-        ranks = global_ranks(self.group)
+        ranks = global_ranks(self.private.get())
         failed = [ranks[r] for r, row in enumerate(table) if row[1] == FAILED]
         if failed:
             raise RuntimeError(

@@ -46,12 +46,12 @@ def load_resized(ls: LocalSteps, states: Any) -> None:
     olds, names = _every_rank(states)
     _check_shared(olds, names)
     load_state_dict(ls, _fold(ls, olds))
-    if ls._rank >= len(olds):  # a new rank: its replica starts from the global copy
+    if ls._protocol.rank >= len(olds):  # a new rank: its replica starts from the global copy
         for p, g in zip(ls.params, ls.global_params, strict=True):
             p.detach().copy_(g)
     if ls._overlap is not None and ls._overlap.received:  # merged now, on every rank alike
         fragment = ls._fragments[ls._overlap.flight]
-        if ls._rank >= len(olds):  # sent from where it starts: no moves of its own since
+        if ls._protocol.rank >= len(olds):  # sent from where it starts: no moves of its own since
             fragment.note_send_point()
         ls._overlap.merge()
 
@@ -139,7 +139,7 @@ def _equal(a: Any, b: Any) -> bool:
 def _fold(ls: LocalSteps, olds: list[dict[str, Any]]) -> dict[str, Any]:
     """This rank's state in the new world: the shared parts, and its own folded by the law
     of the module's docstring."""
-    old, new, j = len(olds), ls._world, ls._rank
+    old, new, j = len(olds), ls._protocol.world, ls._protocol.rank
     scale = new / old if ls._protocol.divisor != 1 else 1.0
     mine = [i for i in range(old) if i % new == j]
     first = olds[0]
