@@ -85,14 +85,16 @@ def replica(index: int, lighthouse: str, folder: str, plan: dict[str, Any]) -> N
 
 
 def _record_leave(sync: Any, into: dict[str, Any]) -> None:
-    """Keep each encoder's residual before every sync's Δ and the pieces of its last one
-    (to check that a leaving rank's whole residual went out)."""
+    """Keep, for each encoder's whole send (a leaving rank's), what it owed (β·residual + Δ,
+    in its residual then), the dense piece it sent and its residual after."""
     for i, enc in enumerate(sync.encoders):
         whole = enc.encode_whole
 
-        def recorded(update: Any, iteration: int, i: int = i, whole: Any = whole) -> Any:
+        def recorded(update: Any, iteration: int, enc: Any = enc, whole: Any = whole,
+                     i: int = i) -> Any:  # fmt: skip
+            owed = enc.residual.clone()
             message = whole(update, iteration)
-            into.setdefault("pieces", {})[i] = message.clone()
+            into[i] = {"owed": owed, "piece": message.clone(), "after": enc.residual.clone()}
             return message
 
         enc.encode_whole = recorded

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from elastic_replicas import TIMEOUT, events, start, wait
+from gradshare import codec
 
 pytest.importorskip("torchft", reason="needs torchft: pip install -c constraints.txt -e '.[ft]'")
 
@@ -119,8 +120,11 @@ def test_a_rank_that_leaves_sends_its_whole_residual(lighthouse: str, tmp_path: 
     assert left["left"] and left["step"] == 30
     a, b, c = (_synced(tmp_path, i) for i in range(3))
     assert a == b and c[30] == a[30]  # its last sync, alike on all three
-    pieces = torch.load(tmp_path / "replica2-leave.pt", weights_only=True)["pieces"]
-    assert all(int(m[3]) == 3 for m in pieces.values())  # dense pieces: every entry
+    sent = torch.load(tmp_path / "replica2-leave.pt", weights_only=True)
+    assert len(sent) == 4  # every parameter tensor of the toy model, whole
+    for each in sent.values():  # the law: what it owed = what it sent + what it kept (0)
+        decoded = codec.decode_(each["piece"], torch.zeros_like(each["owed"]))
+        assert torch.equal(decoded, each["owed"]) and not each["after"].any()
 
 
 def test_the_example_trains_on_with_elastic(lighthouse: str, tmp_path: Path) -> None:
