@@ -16,8 +16,9 @@ from typing import Any
 import pytest
 import torch
 
-from elastic_replicas import TIMEOUT, events, start, wait
 from gradshare import codec
+
+from elastic_replicas import TIMEOUT, events, start, wait
 
 pytest.importorskip("torchft", reason="needs torchft: pip install -c constraints.txt -e '.[ft]'")
 
