@@ -66,6 +66,7 @@ SECONDS = {
     "test_hf_trainer": 125,
     "test_examples": 80,
     "test_distributed": 60,
+    "test_elastic": 60,
     "test_threads": 50,
     "test_multinode": 50,
     "test_train": 45,

@@ -24,7 +24,7 @@ from torch.nn import functional as F
 from toys import toy_batches, toy_model
 from world import _context
 
-TIMEOUT = 4.0
+TIMEOUT = 6.0
 """LocalSteps' timeout in the replicas: a lost rank is found within it."""
 
 
@@ -40,7 +40,8 @@ def _log(path: Path, **event: Any) -> None:
 
 def replica(index: int, lighthouse: str, folder: str, plan: dict[str, Any]) -> None:
     """Train ``plan["steps"]`` steps with a sync every 10; on the way, per ``plan``: die
-    (``kill_at``), stop (``hang_at``, SIGSTOP) or leave (``leave_at``) at a step."""
+    (``kill_at``), stop (``hang_at``, SIGSTOP) or leave (``leave_at``) at a step, or stop
+    inside a sync's exchange (``hang_in_round``)."""
     from gradshare import Elastic, LocalSteps
 
     torch.set_num_threads(1)
@@ -58,6 +59,8 @@ def replica(index: int, lighthouse: str, folder: str, plan: dict[str, Any]) -> N
         recorded: dict[str, Any] = {}
         if plan.get("record") is not None:
             _record_leave(sync, recorded)
+        if plan.get("hang_in_round") is not None:
+            _hang_in_round(sync, plan["hang_in_round"])
         while sync.steps < plan["steps"] and not sync.left:
             step = sync.steps
             if step == plan.get("kill_at"):
@@ -70,10 +73,11 @@ def replica(index: int, lighthouse: str, folder: str, plan: dict[str, Any]) -> N
             x, y = batches[step]
             inner.zero_grad()
             F.cross_entropy(model(x), y).backward()
-            syncs = sync.syncs
+            syncs, began = sync.syncs, time.monotonic()
             inner.step()
             if sync.syncs > syncs:
-                _log(log, event="synced", step=sync.steps, syncs=sync.syncs, crc=_crc(model))
+                _log(log, event="synced", step=sync.steps, syncs=sync.syncs, crc=_crc(model),
+                     seconds=time.monotonic() - began)  # fmt: skip
         if recorded:
             torch.save(recorded, Path(folder) / f"replica{index}-leave.pt")
         _log(log, event="done", step=sync.steps, syncs=sync.syncs, crc=_crc(model),
@@ -82,6 +86,20 @@ def replica(index: int, lighthouse: str, folder: str, plan: dict[str, Any]) -> N
     except BaseException as e:
         _log(log, event="error", error=f"{type(e).__name__}: {e}", tb=traceback.format_exc())
     os._exit(0)
+
+
+def _hang_in_round(sync: Any, round: int) -> None:
+    """Stop this process (SIGSTOP) inside the exchange of sync round ``round``: after the
+    header went out, while the others wait for its pieces."""
+    protocol = type(sync._protocol)  # this process's own class (slots: no instance patch)
+    exchange = protocol.encoded_mean
+
+    def stopping(*args: Any, **kwargs: Any) -> Any:
+        if sync.syncs == round:
+            os.kill(os.getpid(), signal.SIGSTOP)
+        return exchange(*args, **kwargs)
+
+    protocol.encoded_mean = stopping
 
 
 def _record_leave(sync: Any, into: dict[str, Any]) -> None:

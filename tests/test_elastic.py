@@ -5,7 +5,6 @@ survivors. Each test stays under 30 s."""
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -19,8 +18,18 @@ import torch
 from gradshare import codec
 
 from elastic_replicas import TIMEOUT, events, start, wait
+from world import _context
 
 pytest.importorskip("torchft", reason="needs torchft: pip install -c constraints.txt -e '.[ft]'")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _forkserver() -> None:
+    """The forkserver the replicas fork from, started once (it imports torch and
+    gradshare: seconds), so that a test's clock starts with its replicas."""
+    p = _context().Process(target=int)
+    p.start()
+    p.join()
 
 
 @pytest.fixture
@@ -78,19 +87,23 @@ def test_a_killed_rank_is_dropped_and_heals_when_restarted(lighthouse: str, tmp_
 
 
 def test_a_hung_rank_is_dropped_after_the_timeout(lighthouse: str, tmp_path: Path) -> None:
-    """Rank 2 stops (SIGSTOP) at step 15: the others' sync at step 20 waits for it at most
-    the timeout, then goes on without it, and they finish identical."""
+    """Rank 2 stops (SIGSTOP) inside the exchange of the sync at step 20, the header sent:
+    the others wait for its pieces the timeout, then run the round again without it, and
+    they go on identical. A rank stopped between syncs is dropped sooner (its heartbeats
+    stop)."""
     deadline = time.monotonic() + 28
     plan = {"steps": 40}
     procs = [start(i, lighthouse, tmp_path, plan) for i in range(2)]
-    hung = start(2, lighthouse, tmp_path, {**plan, "hang_at": 15})
+    hung = start(2, lighthouse, tmp_path, {**plan, "hang_in_round": 2})
     wait(procs, deadline)
-    os.kill(hung.pid, signal.SIGKILL)
+    hung.kill()
     wait([hung], deadline + 1)
     a, b = _synced(tmp_path, 0), _synced(tmp_path, 1)
     later = {s: crc for s, crc in a.items() if s > 15}
     assert set(later) == {20, 30, 40} and {s: c for s, c in b.items() if s > 15} == later
     assert _done(tmp_path, 0)["crc"] == _done(tmp_path, 1)["crc"]
+    waited = [e["seconds"] for e in events(tmp_path, 0) if e["event"] == "synced"]
+    assert max(waited) >= TIMEOUT  # the sync at step 20 waited for it, then went on
 
 
 def test_too_few_ranks_fail_clearly_within_the_timeout(lighthouse: str, tmp_path: Path) -> None:

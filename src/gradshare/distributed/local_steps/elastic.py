@@ -269,15 +269,28 @@ def join(ls: LocalSteps, member: Member) -> None:
 
 
 def sync(ls: LocalSteps, frag: Fragment, member: Member, wait: timedelta | None = None) -> None:
-    """One sync under torchft: run the round with the quorum of the moment until it commits
-    (or ``wait``, default the timeout, has passed), then the outer step."""
+    """One sync under torchft: run the round with the quorum of the moment until it commits,
+    then the outer step. It fails once ``wait`` (default the timeout) has passed and the
+    next quorum has the same ranks: one that lost a rank (dropped after a collective timed
+    out on a hung one) gets the whole ``wait`` again."""
     wait = wait or ls.timeout
     deadline = time.monotonic() + wait.total_seconds()
     leaving = member.config.leaving
+    failure: BaseException | None = None
+    world = 0
     while True:
-        rank, world = member.quorum(timedelta(seconds=max(0.1, deadline - time.monotonic())))
+        before_world = world
+        if failure is not None and world < member.config.min_replicas:
+            if time.monotonic() > deadline:  # too few: another quorum would be as small
+                _give_up(ls, member, wait, world, failure)
+        rank, world = member.quorum(wait if failure else _left(deadline))
+        if failure is not None:
+            if world != before_world:  # another quorum: progress
+                deadline = time.monotonic() + wait.total_seconds()
+            elif time.monotonic() > deadline:
+                _give_up(ls, member, wait, world, failure)
         ls._protocol.reconfigure(rank, world)
-        failure: BaseException | None = None
+        failure = None
         before: list[dict[str, Any]] = []
         sent = 0
         try:
@@ -291,24 +304,13 @@ def sync(ls: LocalSteps, frag: Fragment, member: Member, wait: timedelta | None 
         except BaseException:
             member.manager.report_error(RuntimeError("this rank stopped"))
             raise
-        ok = member.commit()
-        if ok:
+        if member.commit():
             break
         if failure is None:  # the exchange went through here, a peer's did not
             frag.put_back(before)
-        if time.monotonic() > deadline:
-            few = member.config.min_replicas
-            why = (
-                f"the quorum had {world} rank(s), fewer than the {few} of `min_replicas`"
-                if world < few else failure or "a rank of the quorum failed it"
-            )  # fmt: skip
-            raise ExchangeError(
-                f"LocalSteps sync round {ls.syncs}: no quorum committed the round within "
-                f"{wait.total_seconds():g} s: {why}."
-            )
-        logger.info(
-            "LocalSteps: round %d failed (%s); again with the new quorum", ls.syncs, failure
-        )
+            failure = RuntimeError("a rank of the quorum failed the round")
+        logger.info("LocalSteps: round %d failed (%s); again with the next quorum",
+                    ls.syncs, failure)  # fmt: skip
     member.committed = True
     ls.bytes_sent += sent
     ls._step(frag)
@@ -318,6 +320,23 @@ def sync(ls: LocalSteps, frag: Fragment, member: Member, wait: timedelta | None 
     if leaving:
         member.shutdown()
         ls.left = True
+
+
+def _left(deadline: float) -> timedelta:
+    return timedelta(seconds=max(0.1, deadline - time.monotonic()))
+
+
+def _give_up(ls: LocalSteps, member: Member, wait: timedelta, world: int,
+             failure: BaseException) -> None:  # fmt: skip
+    few = member.config.min_replicas
+    why = (
+        f"the quorum had {world} rank(s), fewer than the {few} of `min_replicas`"
+        if world < few else str(failure)
+    )  # fmt: skip
+    raise ExchangeError(
+        f"LocalSteps sync round {ls.syncs}: no quorum committed the round within "
+        f"{wait.total_seconds():g} s: {why}."
+    )
 
 
 def _reach(lighthouse: str | None, timeout: timedelta) -> None:
