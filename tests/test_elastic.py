@@ -161,3 +161,28 @@ def test_the_example_trains_on_with_elastic(lighthouse: str, tmp_path: Path) -> 
     assert "test accuracy" in outs[0]
     a, b = (torch.load(tmp_path / f"replica{i}.pt", weights_only=True) for i in range(2))
     assert torch.equal(a, b)
+
+
+def test_no_lighthouse_and_bad_settings_fail_clearly() -> None:
+    """No lighthouse at the address: an error naming it within the timeout, before any
+    state is made. Settings elastic cannot honour are refused at construction."""
+    from gradshare import Elastic, LocalSteps
+    from gradshare.distributed.exchange import ExchangeError
+    from gradshare.distributed.hosts import rendezvous_port
+
+    from toys import toy_model
+
+    model = toy_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    nobody = f"http://127.0.0.1:{rendezvous_port()}"
+    start_at = time.monotonic()
+    with pytest.raises(ExchangeError, match=f"no lighthouse answers at {nobody} within"):
+        LocalSteps(model, opt, sync_every=10, elastic=Elastic(nobody), timeout=1)
+    assert time.monotonic() - start_at < 5
+    with pytest.raises(ValueError, match="no `overlap` and one fragment"):
+        LocalSteps(model, opt, sync_every=10, overlap=True, elastic=Elastic(nobody))
+    with pytest.raises(ValueError, match="min_replicas"):
+        Elastic(nobody, min_replicas=0)
+    with pytest.raises(TypeError, match="state_dict"):
+        Elastic(nobody, heal={"lr": object()})
+    assert not opt._optimizer_step_post_hooks  # nothing of the refused LocalSteps stays
