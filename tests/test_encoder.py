@@ -22,6 +22,7 @@ from gradshare import (
     optimal_buffer_size,
 )
 from gradshare.codec import BITMAP_ENCODING, FLEXIBLE_ENCODING
+from gradshare.encoding.threshold import _kth_largest
 
 
 class TestConservation:
@@ -272,6 +273,19 @@ def test_import_starts_nothing() -> None:
 class TestQuantileThreshold:
     """t from a sample of |residual + update|: about `density` of the elements go out from the
     first step, at any scale, and the messages are ordinary DL4J messages."""
+
+    @pytest.mark.parametrize("n", [1, 7, 16_384])
+    def test_kth_largest_is_topks_least(self, n: int) -> None:
+        """numpy's partition on the CPU picks t as ``torch.topk`` did, ties and NaN (the
+        largest, so it makes t NaN once among the k largest) included."""
+        g = torch.Generator().manual_seed(n)
+        m = torch.randn(n, generator=g).abs().round(decimals=1)
+        for case in ("plain", "nan"):
+            if case == "nan":
+                m[n // 2] = float("nan")
+            for k in {1, max(1, n // 25), n}:
+                want, got = float(torch.topk(m, k, sorted=False).values.min()), _kth_largest(m, k)
+                assert got == want or (np.isnan(got) and np.isnan(want))
 
     @pytest.mark.parametrize("scale", [1e-6, 1.0, 1e4])
     def test_density_from_the_first_step(self, scale: float) -> None:
