@@ -10,8 +10,9 @@ from gradshare import codec
 
 def run_steps() -> list[torch.Tensor]:
     """Messages, residuals and sums of sparse, bounded, bitmap and mean-magnitude encodes,
-    decodes small and large, fused sums, validation, take_update_, subtract_, decay_add_,
-    find_nonfinite, and the compact form there and back."""
+    decodes small and large, fused sums, validation, take_update_, subtract_, decay_add_
+    and decay_into_ in the forms LocalSteps calls, find_nonfinite, and the compact
+    form there and back."""
     out: list[torch.Tensor] = []
     for dtype in (torch.float32, torch.float64):
         g = torch.Generator().manual_seed(0)
@@ -47,6 +48,18 @@ def run_steps() -> list[torch.Tensor]:
         decayed = x.clone()
         codec.decay_add_(decayed, 0.95, kept, x + 1, x * 0.5, plus=x * 3, out=delta.clone())
         out += [delta, kept, decayed]
+        for plus, delta_out in ((None, None), (x * 3, torch.empty_like(x)), (None, kept)):
+            into, sampled = (
+                torch.empty_like(x),
+                torch.empty(len(range(5, x.numel(), 64)), dtype=dtype),
+            )
+            codec.decay_into_(
+                x, 0.95, into, x + 1, x * 0.5, plus=plus, out=delta_out, sample=(sampled, 5, 64)
+            )
+            out += [into, sampled]
+        codec.decay_add_(
+            decayed, 0.95, kept, x + 1, x * 0.5, sample=(torch.empty(x.numel(), dtype=dtype), 0, 1)
+        )
         y = x.clone()
         y[[7, 70000]] = float("nan")
         small_form = codec.compact_message(messages[0])

@@ -702,6 +702,64 @@ class TestDecayAdd:
         assert torch.equal(x, torch.zeros(4))
 
 
+class TestDecayInto:
+    """``decay_into_`` and the sample of either: the new residual written beside the old one
+    (which stays as it was: the backup, swapped by the caller), and ``|new|`` at a threshold
+    algorithm's sample positions, in the same pass; the bits of torch's ops on both paths, in
+    a chunk's tail and across chunks."""
+
+    @pytest.mark.parametrize("kernels", [True, False], ids=["kernels", "torch"])
+    @pytest.mark.parametrize("n", [5, 17, CHUNK + 17, CHUNK * 3 + 7])
+    @pytest.mark.parametrize("carry", [False, True])
+    @pytest.mark.parametrize("span", [(0, 1), (3, 7), (41, 4096)])
+    def test_exact_as_torch_ops(
+        self, kernels: bool, n: int, carry: bool, span: tuple[int, int]
+    ) -> None:
+        g = torch.Generator().manual_seed(n)
+        start, local, extra, old = (torch.randn(n, generator=g) * 10**-i for i in range(4))
+        first, stride = span[0] % n, span[1]
+        r, into, d = old.clone(), torch.full((n,), 5.0), torch.empty(n)
+        m = torch.empty(len(range(first, n, stride)))
+        with codec.use_kernels(kernels):
+            bad = codec.decay_into_(
+                r,
+                0.95,
+                into,
+                start,
+                local,
+                plus=extra if carry else None,
+                out=d,
+                sample=(m, first, stride),
+            )
+        delta = ((start + extra) - local) if carry else (start - local)
+        new = old.mul(0.95).add_(delta)
+        assert bad == 0 and torch.equal(bits(r), bits(old))
+        assert torch.equal(bits(into), bits(new)) and torch.equal(bits(d), bits(delta))
+        assert torch.equal(bits(m), bits(new[first::stride].abs()))
+
+    @pytest.mark.parametrize("kernels", [True, False], ids=["kernels", "torch"])
+    def test_sample_in_place_and_nonfinite(self, kernels: bool) -> None:
+        n = 2 * CHUNK + 3
+        start, local = torch.randn(n), torch.randn(n)
+        local[[9, n - 1]] = float("nan")
+        r, backup = torch.randn(n), torch.empty(n)
+        old = r.clone()
+        m = torch.empty(len(range(2, n, 5)))
+        with codec.use_kernels(kernels):
+            assert codec.decay_add_(r, 0.5, backup, start, local, sample=(m, 2, 5)) == 2
+        assert torch.equal(bits(backup), bits(old))
+        assert torch.equal(bits(m), bits(r[2::5].abs()))
+
+    def test_bad_arguments_refused(self) -> None:
+        x = torch.zeros(8)
+        with pytest.raises(ValueError, match="memory of its own"):
+            codec.decay_into_(x, 0.95, x[:8], x.clone(), x.clone())
+        with pytest.raises(ValueError, match="vector of 3 elements"):
+            codec.decay_into_(x, 0.95, x.clone(), x, x, sample=(torch.empty(2), 1, 3))
+        with pytest.raises(ValueError, match="`stride` >= 1"):
+            codec.decay_add_(x, 0.95, x.clone(), x, x, sample=(torch.empty(2), 0, 0))
+
+
 def test_checked_sum_still_refuses_another_length() -> None:
     """``checked=True`` skips re-validating a process's own messages, never the length check
     that keeps a decode inside its target."""

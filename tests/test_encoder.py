@@ -22,6 +22,7 @@ from gradshare import (
     optimal_buffer_size,
 )
 from gradshare.codec import BITMAP_ENCODING, FLEXIBLE_ENCODING
+from gradshare.encoding.encoder import sample_span
 from gradshare.encoding.threshold import _kth_largest
 
 
@@ -211,6 +212,26 @@ class TestInput:
             assert added.last_stats == given.last_stats
         with pytest.raises(ValueError, match="`update=None` encodes the residual as it is"):
             Encoder().encode(None, 0)
+
+    @pytest.mark.parametrize("n", [300, 200_000])
+    def test_magnitudes_sampled_by_the_caller(self, n: int) -> None:
+        """``encode(None, ..., magnitudes=...)`` with ``|residual|`` at :func:`sample_span`
+        (LocalSteps samples them in its Δ pass, ``decay_add_(sample=...)``) is ``encode(None,
+        ...)``: the same threshold, message and residual; with an update they are refused."""
+        g = torch.Generator().manual_seed(n)
+        own, told = Encoder(QuantileThreshold(0.02)), Encoder(QuantileThreshold(0.02))
+        for step in range(3):
+            u = torch.randn(n, generator=g)
+            for enc in (own, told):
+                enc.residual = u.clone() if enc.residual is None else enc.residual.add_(u)
+            start, stride = sample_span(n, told.algorithm.samples, step)
+            assert told.residual is not None
+            magnitudes = told.residual[start::stride].abs()
+            expected, got = own.encode(None, step), told.encode(None, step, magnitudes=magnitudes)
+            assert expected is not None and got is not None and torch.equal(got, expected)
+            assert torch.equal(told.residual, own.residual)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="`magnitudes` only with `update=None`"):
+            told.encode(torch.ones(n), 3, magnitudes=torch.ones(2))
 
     def test_bad_threshold_type(self) -> None:
         with pytest.raises(TypeError, match="FixedThreshold"):

@@ -128,6 +128,11 @@ def array(x: torch.Tensor) -> np.ndarray:
     return (x.detach() if x.requires_grad else x).numpy()
 
 
+def _maybe(x: torch.Tensor | None) -> np.ndarray | None:
+    """The numpy view of a CPU tensor, or None (a kernel compiled without that array)."""
+    return None if x is None else array(x)
+
+
 def scalar(t: float, x: torch.Tensor) -> Any:
     """t as a numpy scalar of ``x``'s type."""
     return np.float32(t) if x.dtype == torch.float32 else np.float64(t)
@@ -162,19 +167,34 @@ def take_update_(
 
 
 def decay_add_(
-    residual: torch.Tensor, factor: float, backup: torch.Tensor, before: torch.Tensor,
-    after: torch.Tensor, plus: torch.Tensor | None, out: torch.Tensor | None,
+    src: torch.Tensor, factor: float, dst: torch.Tensor, keep: torch.Tensor | None,
+    before: torch.Tensor, after: torch.Tensor, plus: torch.Tensor | None,
+    out: torch.Tensor | None, sample: tuple[torch.Tensor, int, int] | None = None,
 ) -> int:  # fmt: skip
-    """``backup = residual``, ``d = (before + plus) - after`` (into ``out`` if given) and
-    ``residual = residual * factor + d``; the non-finite count of the new residual."""
-    if on_kernels(residual) and residual.numel():
-        counts = np.zeros(kernels().num_chunks(residual.numel()), np.int64)
-        r, b = array(residual), array(before)
-        launch("decay_add", r, scalar(factor, residual), array(backup), b,
-               b if plus is None else array(plus), plus is not None, array(after),
-               r if out is None else array(out), out is not None, counts)  # fmt: skip
+    """``keep = src`` (if given), ``d = (before + plus) - after`` (into ``out`` if given) and
+    ``dst = src * factor + d`` (``dst`` may be ``src``); ``sample = (m, start, stride)``:
+    ``m[i] = |dst[start + i * stride]|``. The non-finite count of ``dst``."""
+    if on_kernels(dst) and dst.numel():
+        counts = np.zeros(kernels().num_chunks(dst.numel()), np.int64)
+        d = array(dst)
+        m, start, stride = (d[:0], 0, 1) if sample is None else (array(sample[0]), *sample[1:])
+        launch(
+            "decay_add",
+            array(src),
+            scalar(factor, dst),
+            d,
+            _maybe(keep),
+            array(before),
+            _maybe(plus),
+            array(after),
+            _maybe(out),
+            m,
+            start,
+            stride,
+            counts,
+        )
         return int(counts.sum())
-    return _torch_paths.decay_add_(residual, factor, backup, before, after, plus, out)
+    return _torch_paths.decay_add_(src, factor, dst, keep, before, after, plus, out, sample)
 
 
 # --------------------------------------------------------------------------- decode

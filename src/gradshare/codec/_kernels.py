@@ -117,34 +117,52 @@ def take_update(before, plus, has_plus, after, out, restore, counts):  # pragma:
 
 
 @njit(**_OPTS)
-def decay_add(r, factor, backup, before, plus, has_plus, after, out, has_out, counts):
-    """``backup = r``, ``d = (before + plus) - after`` (``before - after`` without
-    ``has_plus``; into ``out`` with ``has_out``) and ``r = r * factor + d``, counting per chunk
-    the non-finite elements of the new ``r`` into ``counts``: one pass over the arrays, where
-    a difference, a decay and an add would take three.
+def decay_add(
+    src, factor, dst, keep, before, plus, after, out, sample, start, stride, counts
+):  # pragma: no cover - compiled
+    """``d = (before + plus) - after`` (``before - after`` when ``plus`` is None; into ``out``
+    unless None), ``keep = src`` (unless None) and ``dst = src * factor + d``, counting per
+    chunk the non-finite elements of ``dst`` into ``counts``: one pass over the arrays, where
+    a difference, a decay and an add would take three. ``dst`` is ``src`` itself (the residual
+    decays in place, its old values kept in ``keep``) or another array (``src`` is then left
+    as it was). ``sample[i] = |dst[start + i * stride]|`` for every ``i`` (none when it is
+    empty), taken while each chunk is in cache.
 
-    No fastmath here: each element sees the same IEEE operations, in the same order, as
-    torch's ``add``, ``sub``, ``mul`` then ``add``; only the count (:func:`_nonfinite_in`)
-    reassociates. ``r`` is finite before, so a non-finite ``d`` leaves its element non-finite.
+    The optional arrays are None rather than flagged: numba compiles each combination with
+    the unused arrays' code removed, so that every loop vectorises (with flags a third
+    slower). No fastmath here: each element sees the same IEEE operations, in the same order,
+    as torch's ``add``, ``sub``, ``mul`` then ``add``; only the count (:func:`_nonfinite_in`)
+    reassociates. ``src`` is finite, so a non-finite ``d`` leaves its element non-finite.
     """
-    n = r.size
+    n = dst.size
     for c in prange(counts.size):
         lo = c * CHUNK
         hi = min(lo + CHUNK, n)
-        rs = r[lo:hi]
-        ks = backup[lo:hi]
+        rs = src[lo:hi]
+        ds = dst[lo:hi]
         b = before[lo:hi]
         a = after[lo:hi]
-        q = plus[lo:hi]
-        o = out[lo:hi]
-        for j in range(hi - lo):  # the flags are loop-invariant: LLVM unswitches them
-            d = ((b[j] + q[j]) if has_plus else b[j]) - a[j]
-            if has_out:
-                o[j] = d
+        for j in range(hi - lo):
+            d = ((b[j] + plus[lo + j]) if plus is not None else b[j]) - a[j]
+            if out is not None:
+                out[lo + j] = d
             v = rs[j]
-            ks[j] = v
-            rs[j] = v * factor + d
-        counts[c] = _nonfinite_in(rs)
+            if keep is not None:
+                keep[lo + j] = v
+            ds[j] = v * factor + d
+        _sample_chunk(dst, sample, start, stride, lo, hi)
+        counts[c] = _nonfinite_in(ds)
+
+
+@njit(inline="always")
+def _sample_chunk(x, sample, start, stride, lo, hi):  # pragma: no cover - compiled
+    """``sample[i] = |x[start + i * stride]|`` for the positions in ``lo..hi``."""
+    i = 0 if lo <= start else (lo - start + stride - 1) // stride
+    g = start + i * stride
+    while i < sample.size and g < hi:
+        sample[i] = abs(x[g])
+        i += 1
+        g += stride
 
 
 _bitmap_add = make_bitmap_superblock(True, SUPER)

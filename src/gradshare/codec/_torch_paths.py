@@ -81,17 +81,23 @@ def take_update_(
 
 
 def decay_add_(
-    residual: torch.Tensor, factor: float, backup: torch.Tensor, before: torch.Tensor,
-    after: torch.Tensor, plus: torch.Tensor | None, out: torch.Tensor | None,
+    src: torch.Tensor, factor: float, dst: torch.Tensor, keep: torch.Tensor | None,
+    before: torch.Tensor, after: torch.Tensor, plus: torch.Tensor | None,
+    out: torch.Tensor | None, sample: tuple[torch.Tensor, int, int] | None = None,
 ) -> int:  # fmt: skip
-    """``backup = residual``, ``d = (before + plus) - after`` (into ``out`` if given) and
-    ``residual = residual * factor + d``; the non-finite count of the new residual."""
+    """``keep = src`` (if given), ``d = (before + plus) - after`` (into ``out`` if given) and
+    ``dst = src * factor + d`` (``dst`` may be ``src``); ``sample = (m, start, stride)``:
+    ``m[i] = |dst[start + i * stride]|``. The non-finite count of ``dst``."""
     d = torch.sub(before, after) if plus is None else torch.add(before, plus).sub_(after)
     if out is not None:
         out.copy_(d)
-    backup.copy_(residual)
-    residual.mul_(factor).add_(d)
-    return count_nonfinite(residual)
+    if keep is not None:
+        keep.copy_(src)
+    torch.mul(src, factor, out=dst).add_(d)
+    if sample is not None:
+        m, start, stride = sample
+        m.copy_(dst[start::stride][: m.numel()].abs())
+    return count_nonfinite(dst)
 
 
 # --------------------------------------------------------------------------- encode

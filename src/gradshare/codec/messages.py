@@ -101,7 +101,8 @@ __all__ = [
 ]
 
 # Also here, for gradshare's own modules (not public API): Workspace, serial_kernels, the check_*
-# helpers, float32_threshold, shares_memory, find_nonfinite, nonfinite_error, NonFiniteUpdate.
+# helpers, float32_threshold, shares_memory, find_nonfinite, nonfinite_error, NonFiniteUpdate,
+# subtract_, decay_add_ and decay_into_.
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -302,6 +303,7 @@ def subtract_(
 def decay_add_(
     residual: torch.Tensor, factor: float, backup: torch.Tensor, before: torch.Tensor,
     after: torch.Tensor, *, plus: torch.Tensor | None = None, out: torch.Tensor | None = None,
+    sample: tuple[torch.Tensor, int, int] | None = None,
 ) -> int:  # fmt: skip
     """``backup = residual``, then ``residual = residual * factor + d`` with the difference
     ``d = (before + plus) - after`` (``before - after`` without ``plus``; also written to
@@ -311,9 +313,49 @@ def decay_add_(
     Error feedback with decay in one pass over the vectors on CPU, the count included: the
     caller encodes the residual with ``Encoder.encode(None, ...)``, and puts ``backup`` back
     when the round fails (a non-finite ``d`` makes its element of the residual non-finite).
+    ``sample = (magnitudes, start, stride)`` also writes ``magnitudes[i] = |residual[start +
+    i * stride]|`` (the new residual) in the same pass: what a threshold algorithm samples
+    (:func:`gradshare.encoding.encoder.sample_span`).
     """
-    for name, x in (("backup", backup), ("before", before), ("after", after), ("plus", plus),
-                    ("out", out)):  # fmt: skip
+    _check_like(residual, backup=backup, before=before, after=after, plus=plus, out=out)
+    return _dispatch.decay_add_(
+        residual,
+        factor,
+        residual,
+        backup,
+        before,
+        after,
+        plus,
+        out,
+        _checked_sample(residual, sample),
+    )
+
+
+def decay_into_(
+    residual: torch.Tensor,
+    factor: float,
+    into: torch.Tensor,
+    before: torch.Tensor,
+    after: torch.Tensor,
+    *,
+    plus: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    sample: tuple[torch.Tensor, int, int] | None = None,
+) -> int:
+    """:func:`decay_add_` that writes the new residual into ``into`` and leaves ``residual``
+    as it was (it is then the backup; the caller swaps the two): ``into = residual * factor +
+    d``, one write fewer than a backup's copy. The number of non-finite elements of ``into``.
+    """
+    _check_like(residual, into=into, before=before, after=after, plus=plus, out=out)
+    if shares_memory(residual, into):
+        raise ValueError("Expect `into` in memory of its own, apart from `residual`.")
+    return _dispatch.decay_add_(
+        residual, factor, into, None, before, after, plus, out, _checked_sample(into, sample)
+    )
+
+
+def _check_like(residual: torch.Tensor, **others: torch.Tensor | None) -> None:
+    for name, x in others.items():
         if x is not None and (
             x.shape != residual.shape or x.dtype != residual.dtype
             or x.device != residual.device
@@ -323,7 +365,24 @@ def decay_add_(
                 f"{tuple(residual.shape)}, {residual.device}), got {x.dtype}, "
                 f"{tuple(x.shape)}, {x.device}."
             )
-    return _dispatch.decay_add_(residual, factor, backup, before, after, plus, out)
+
+
+def _checked_sample(
+    x: torch.Tensor, sample: tuple[torch.Tensor, int, int] | None
+) -> tuple[torch.Tensor, int, int] | None:
+    """``sample`` after checking that its magnitudes fill exactly ``x[start::stride]``."""
+    if sample is None:
+        return None
+    m, start, stride = sample
+    if not (stride >= 1 and 0 <= start < max(x.numel(), 1)):
+        raise ValueError(f"Expect 0 <= `start` < N and `stride` >= 1, got {start}, {stride}.")
+    want = len(range(start, x.numel(), stride))
+    if m.shape != (want,) or m.dtype != x.dtype or m.device != x.device:
+        raise ValueError(
+            f"Expect the sampled magnitudes as a {x.dtype} vector of {want} elements on "
+            f"{x.device}, got {m.dtype}, {tuple(m.shape)}, {m.device}."
+        )
+    return m, start, stride
 
 
 # --------------------------------------------------------------------------- encode

@@ -186,7 +186,7 @@ class LocalSteps:
         """Every encoder replaced (a loaded state's), in the fragments' views too."""
         self.encoders[:] = encoders
         for f in self._fragments:
-            f.encoders[:] = encoders[f.span.first : f.span.last]
+            f.set_encoders(encoders[f.span.first : f.span.last])
 
     def settings(self) -> dict[str, Any]:
         """What every rank must agree on, and a state records (:func:`settings_of`)."""

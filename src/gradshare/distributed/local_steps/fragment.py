@@ -20,7 +20,7 @@ from gradshare.codec import multipart
 from gradshare.codec.flat import slices
 from gradshare.distributed.local_steps.schedule import Span
 from gradshare.distributed.metrics import Unsent
-from gradshare.encoding.encoder import Encoder, EncodeStats
+from gradshare.encoding.encoder import Encoder, EncodeStats, sample_span
 
 __all__ = ["Buffers", "Fragment", "OuterStepError", "build_fragments"]
 
@@ -53,8 +53,8 @@ class Fragment:
     """A run of parameters synced together, with the views of every buffer it works on."""
 
     __slots__ = (
-        "backups", "base", "bases", "delta", "deltas", "encoders", "globals", "home", "mean",
-        "means", "names", "params", "span", "whole",
+        "backups", "base", "bases", "decayed", "delta", "deltas", "encoders", "globals", "home",
+        "mean", "means", "names", "params", "samples", "span", "swap", "whole",
     )  # fmt: skip
 
     def __init__(
@@ -67,6 +67,7 @@ class Fragment:
         whole: list[bool],
         buffers: Buffers,
         home: torch.device,
+        swap: bool,
     ) -> None:
         self.span = span
         self.names = names
@@ -97,27 +98,45 @@ class Fragment:
         self.means: list[torch.Tensor] = cut(buffers.mean, True)
         self.deltas: list[torch.Tensor | None] = cut(buffers.delta, True)
         self.backups: list[torch.Tensor | None] = cut(buffers.backup, False)  # one at a time
+        """Per parameter: its residual from before the round in progress. Each fragment's
+        own, or one fragment's size shared by all (one round at a time)."""
+        self.swap = swap
+        """The backups are this fragment's alone (one fragment): the Δ pass writes the new
+        residual into the backup and the two swap, where else the old one is copied."""
+        self.decayed = 0
+        """Residuals the round in progress has decayed (:meth:`restore_residuals`)."""
+        self.samples: list[torch.Tensor | None] = [None] * n
+        """Per parameter: the new residual's magnitudes where its threshold samples."""
         self.bases: list[torch.Tensor | None] = cut(buffers.base, True)
 
     @property
     def numel(self) -> int:
         return self.span.numel
 
+    def set_encoders(self, encoders: list[Encoder]) -> None:
+        """Its encoders replaced (a loaded state's); no round is in progress."""
+        self.encoders[:] = encoders
+        self.decayed = 0
+
     def stats(self) -> list[EncodeStats | None]:
         return [e.last_stats for e in self.encoders]
 
     # ------------------------------------------------------------------ Δ into the residuals
 
-    def pseudo_gradient_(self, decay: float, sent_from: bool) -> int:
+    def pseudo_gradient_(self, decay: float, sent_from: bool, round: int) -> int:
         """Δ = start - local for this fragment's parameters, in float32; the model index of
         the first parameter whose Δ is not finite (-1 when all are). Encoded syncs add it into
-        each residual as it decays (residual = β·residual + Δ, the old residual kept in the
-        backup), in the one pass that computes it; dense syncs and ``overlap`` keep it in Δ.
-        If this raises, every residual is as it was. The start is the global copy; with
+        each residual as it decays (residual = β·residual + Δ), in the one pass that computes
+        it, and sample the new residual where round ``round``'s threshold looks
+        (:func:`~gradshare.encoding.encoder.sample_span`); dense syncs and ``overlap`` keep Δ
+        in Δ. The old residual is kept: with one fragment the new one is written beside it
+        and the two swap (:attr:`swap`), else it is copied into the backup. If this raises,
+        or a Δ is not finite, every residual is as it was. The start is the global copy; with
         overlap, plus the base (the carry), or the base itself when ``sent_from`` (the last
         round's mean waits for its merge: where that round was sent from, the lead included).
         """
-        bad, done = -1, 0
+        self.samples = [None] * len(self.params)
+        self.decayed = 0
         try:
             for j, (g, p) in enumerate(zip(self.globals, self.params, strict=True)):
                 local = p.detach().to(self.home, torch.float32).reshape(-1)
@@ -130,28 +149,63 @@ class Fragment:
                     assert d is not None  # dense syncs keep Δ
                     nonfinite = codec.subtract_(start, local, d, plus=b)
                 else:
-                    enc = self.encoders[j]
-                    if enc.residual is None:
-                        enc.residual = torch.zeros_like(local)
-                    keep = self.backups[j]
-                    assert keep is not None
-                    nonfinite = codec.decay_add_(
-                        enc.residual, decay, keep, start, local, plus=b, out=self.deltas[j]
-                    )
-                    done += 1
-                if bad < 0 and nonfinite:
-                    bad = self.span.first + j
+                    nonfinite = self._decay_one(j, decay, start, local, b, round)
+                if nonfinite:  # the round stops on every rank: nothing more to compute
+                    self.restore_residuals()
+                    return self.span.first + j
         except BaseException:
-            self.restore_residuals(done)
+            self.restore_residuals()
             raise
+        return -1
+
+    def _decay_one(
+        self,
+        j: int,
+        decay: float,
+        start: torch.Tensor,
+        local: torch.Tensor,
+        plus: torch.Tensor | None,
+        round: int,
+    ) -> int:
+        """Parameter ``j``'s Δ into its residual, sampled for its threshold; the non-finite
+        count (the residual is then as it was, :attr:`decayed` counting it)."""
+        enc, keep = self.encoders[j], self.backups[j]
+        assert keep is not None
+        if enc.residual is None:
+            enc.residual = torch.zeros_like(local)
+        sample = None
+        k = enc.algorithm.samples
+        if k and not self.whole[j]:
+            first, stride = sample_span(local.numel(), k, round)
+            m = torch.empty(len(range(first, local.numel(), stride)), device=self.home)
+            self.samples[j], sample = m, (m, first, stride)
+        d = self.deltas[j]
+        if not self.swap:
+            bad = codec.decay_add_(
+                enc.residual, decay, keep, start, local, plus=plus, out=d, sample=sample
+            )
+            self.decayed += 1
+            return bad
+        try:
+            bad = codec.decay_into_(
+                enc.residual, decay, keep, start, local, plus=plus, out=d, sample=sample
+            )
+        finally:  # the old residual becomes the backup, also should the kernel have raised
+            enc.residual, self.backups[j] = keep, enc.residual
+            self.decayed += 1
         return bad
 
-    def restore_residuals(self, count: int | None = None) -> None:
-        """The residuals of the first ``count`` parameters (all) back from the backup, as they
-        were before :meth:`pseudo_gradient_`."""
-        for enc, keep in zip(self.encoders[:count], self.backups, strict=False):
+    def restore_residuals(self) -> None:
+        """The residuals that :meth:`pseudo_gradient_` decayed back as they were before it
+        (swapped back, or copied from the backup)."""
+        for j in range(self.decayed):
+            enc, keep = self.encoders[j], self.backups[j]
             assert enc.residual is not None and keep is not None
-            enc.residual.copy_(keep)
+            if self.swap:
+                enc.residual, self.backups[j] = keep, enc.residual
+            else:
+                enc.residual.copy_(keep)
+        self.decayed = 0
 
     # ------------------------------------------------------------------ the encode
 
@@ -167,13 +221,12 @@ class Fragment:
         mine, failure = None, None
         before = [enc.state_dict(residual=False) for enc in self.encoders]
         try:
-            for j, (enc, state) in enumerate(zip(self.encoders, before, strict=True)):
-                state["residual"] = self.backups[j]
+            for j, enc in enumerate(self.encoders):
                 message: torch.Tensor | None
                 if self.whole[j]:  # too small: a dense piece
                     message = enc.encode_whole(None, round)
                 else:
-                    message = enc.encode(None, round)
+                    message = enc.encode(None, round, magnitudes=self.samples[j])
                 if compact and message is not None:
                     message = codec.compact_message(message)
                 assert enc.last_stats is not None
@@ -187,12 +240,14 @@ class Fragment:
             )
         except Exception as e:
             failure = e
+        self.samples = [None] * len(self.params)
         return mine, failure, before
 
     def put_back(self, before: list[dict[str, Any]]) -> None:
-        """Every encoder as it was before the round (:meth:`encode`'s ``before``)."""
+        """Every residual and encoder as before the round (:meth:`encode`'s ``before``)."""
+        self.restore_residuals()
         for enc, state in zip(self.encoders, before, strict=True):
-            enc.load_state_dict(state)
+            enc.load_state_dict({**state, "residual": enc.residual})
 
     # ------------------------------------------------------------------ the step
 
@@ -318,6 +373,7 @@ def build_fragments(
             whole[s.first : s.last],
             buffers,
             home,
+            len(spans) == 1,
         )
         for s in spans
     ]

@@ -94,7 +94,7 @@ class Protocol:
         was; the buffers that differ become rank 0's. Returns the bytes this rank sent."""
         status, bad, failure = OK, -1, None
         try:
-            bad = fragment.pseudo_gradient_(decay, sent_from)
+            bad = fragment.pseudo_gradient_(decay, sent_from, round)
             status = OK if bad < 0 else NONFINITE
         except Exception as e:
             status, failure = FAILED, e
