@@ -11,7 +11,7 @@ from gradshare import codec
 def run_steps() -> list[torch.Tensor]:
     """Messages, residuals and sums of sparse, bounded, bitmap and mean-magnitude encodes,
     decodes small and large, fused sums, validation, take_update_, subtract_, decay_add_
-    and decay_into_ in the forms LocalSteps calls, find_nonfinite, and the compact
+    and decay_into_ in the forms LocalSteps calls, step_sum_, find_nonfinite, and the compact
     form there and back."""
     out: list[torch.Tensor] = []
     for dtype in (torch.float32, torch.float64):
@@ -60,6 +60,12 @@ def run_steps() -> list[torch.Tensor]:
         codec.decay_add_(
             decayed, 0.95, kept, x + 1, x * 0.5, sample=(torch.empty(x.numel(), dtype=dtype), 0, 1)
         )
+        for sent, world in ((messages[:1], 1), ([messages[0], messages[3]], 3)):
+            stepped = x.clone()
+            codec.step_sum_(
+                sent, stepped, torch.zeros_like(x, dtype=torch.float32), lr=2.8, divisor=world
+            )
+            out.append(stepped)
         y = x.clone()
         y[[7, 70000]] = float("nan")
         small_form = codec.compact_message(messages[0])

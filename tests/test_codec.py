@@ -760,6 +760,75 @@ class TestDecayInto:
             codec.decay_add_(x, 0.95, x.clone(), x, x, sample=(torch.empty(2), 0, 0))
 
 
+def _sgd_step(params: torch.Tensor, mean: torch.Tensor, lr: float) -> torch.Tensor:
+    """torch's own plain SGD step of ``params`` with ``mean`` as the gradient (a copy)."""
+    p = params.clone()
+    p.grad = mean.to(p.dtype)
+    torch.optim.SGD([p], lr=lr).step()
+    return p.detach()
+
+
+class TestStepSum:
+    """``step_sum_``: plain SGD with the mean of messages as its gradient, where the sparse
+    messages' elements alone are touched, gives torch's own step bit for bit (one fused
+    multiply-add per element, ``-0.0`` kept), on both paths, in tails and across chunks."""
+
+    @pytest.mark.parametrize("kernels", [True, False], ids=["kernels", "torch"])
+    @pytest.mark.parametrize("n", [5, 17, CHUNK + 17, CHUNK * 3 + 7])
+    @pytest.mark.parametrize("world", [1, 2, 3])
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+    def test_equals_torch_sgd(self, kernels: bool, n: int, world: int, dtype: torch.dtype) -> None:
+        g = torch.Generator().manual_seed(n + world)
+        messages = []
+        for r in range(world):
+            x = torch.randn(n, generator=g)
+            if r:  # some entries cancel: their mean is +0.0
+                x[: n // 3] = -messages[0][1][: n // 3]
+            t = float(x.abs().sort().values[-max(2, n // 25)])
+            messages.append((codec.encode_sparse_(x.clone(), t), x))
+        sent = [m for m, _ in messages]
+        params = (torch.randn(n, generator=g) * 0.1).to(dtype)
+        params[[0, n - 1]] = -0.0
+        mean = torch.zeros(n)
+        codec.decode_sum_(sent, mean, divisor=world)
+        for lr in (2.8, 1 / 3):
+            want = _sgd_step(params, mean, lr)
+            got, scratch = params.clone(), torch.zeros(n)
+            with codec.use_kernels(kernels):
+                bad = codec.step_sum_(sent, got, scratch, lr=lr, divisor=world)
+            assert bad == 0 and torch.equal(bits(got), bits(want))
+
+    @pytest.mark.parametrize("kernels", [True, False], ids=["kernels", "torch"])
+    def test_bitmap_pieces_and_overflow(self, kernels: bool) -> None:
+        """A bitmap (or dense) piece decodes the mean in full into ``scratch`` and steps every
+        element; values that overflow are counted."""
+        n = CHUNK + 100
+        x = torch.randn(n)
+        sent = [codec.encode_bitmap_(x.clone(), 0.5), codec.encode_sparse_(x.clone(), 2.0)]
+        params, mean = torch.randn(n), torch.zeros(n)
+        codec.decode_sum_(sent, mean, divisor=2)
+        got, scratch = params.clone(), torch.zeros(n)
+        with codec.use_kernels(kernels):
+            assert codec.step_sum_(sent, got, scratch, lr=1.4, divisor=2) == 0
+        assert torch.equal(bits(got), bits(_sgd_step(params, mean, 1.4)))
+        assert torch.equal(scratch, mean)
+        big = torch.full((n,), 3e38)
+        with codec.use_kernels(kernels):
+            stepped = codec.step_sum_(sent[1:], big, torch.zeros(n), lr=3e38, divisor=2)
+        assert stepped == int((big.abs() == float("inf")).sum()) > 0
+
+    def test_refuses_an_lr_torch_refuses_and_bad_messages(self) -> None:
+        x = torch.zeros(4)
+        with pytest.raises(ValueError, match=r"`lr` >= 0 and finite in torch\.float32"):
+            codec.step_sum_([], x, torch.zeros(4), lr=1e42)
+        bad = codec.encode_sparse_(torch.tensor([1.0, -1.0, 0.0, 1.0]), 0.5)
+        assert bad is not None
+        bad[-1] = 9
+        with pytest.raises(MessageError, match="outside"):
+            codec.step_sum_([bad], x, torch.zeros(4), lr=1.0)
+        assert torch.equal(x, torch.zeros(4))
+
+
 def test_checked_sum_still_refuses_another_length() -> None:
     """``checked=True`` skips re-validating a process's own messages, never the length check
     that keeps a decode inside its target."""

@@ -116,6 +116,28 @@ def _rank_laws(rank: int, world: int) -> dict:
         model = toy_model(seed=0)
         with LocalSteps(model, make(model.parameters()), sync_every=2) as sync:
             out[f"outer {name}"] = (type(sync.outer).__name__, sync.outer.param_groups[0])
+    step_sum, calls = codec.step_sum_, []
+
+    def counted(*args: object, **kwargs: object) -> int:
+        calls.append(1)
+        return step_sum(*args, **kwargs)  # type: ignore[arg-type]
+
+    codec.step_sum_ = counted  # type: ignore[assignment]
+    for how in ("plain", "own"):  # plain SGD's step on the named elements, or SGD's own
+        model = mlp(10, 3, hidden=96, seed=rank)
+        inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        sync = LocalSteps(model, inner, sync_every=2)
+        if how == "own":  # a hook leaves the step to the optimizer
+            sync.outer.register_step_pre_hook(lambda *_: None)
+        _train(model, inner, batches)
+        out[f"outer step {how}"] = (
+            flat(model),
+            [g.clone() for g in sync.global_params],
+            len(calls),
+        )
+        calls.clear()
+        sync.close()
+    codec.step_sum_ = step_sum  # type: ignore[assignment]
     return out
 
 
@@ -190,6 +212,16 @@ class TestSyncLaws:
                 kind, group = r[f"outer {name}"]
                 assert (kind, group["lr"], group["momentum"]) == ("SGD", lr, 0), name
         assert (DEFAULT_OUTER_LR, DEFAULT_OUTER_LR_SGD) == (2.8, 1.4)
+
+    def test_plain_sgd_steps_as_its_own_step(self, results: list[dict]) -> None:
+        """Plain SGD's outer step taken on the elements the messages name alone (its mean is
+        +0.0 elsewhere) gives the bits of SGD's own step over the decoded mean, with three
+        ranks' messages summed and divided by 3."""
+        for r in results:
+            (plain, kept, steps), (own, want, none) = r["outer step plain"], r["outer step own"]
+            assert steps == 3 * len(kept) and none == 0
+            assert torch.equal(plain, own)
+            assert all(torch.equal(a, b) for a, b in zip(kept, want, strict=True))
 
     def test_dense_sync_is_the_mean_of_the_replicas(self, results: list[dict]) -> None:
         for k in range(2):

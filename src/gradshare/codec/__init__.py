@@ -86,6 +86,9 @@ from gradshare.codec.messages import (
     shares_memory as shares_memory,
 )
 from gradshare.codec.messages import (
+    step_sum_ as step_sum_,
+)
+from gradshare.codec.messages import (
     subtract_ as subtract_,
 )
 
@@ -120,4 +123,4 @@ __all__ = [
 ]
 # Also here, for gradshare's own modules (not public API): Workspace, serial_kernels, the
 # check_* helpers, float32_threshold, shares_memory, find_nonfinite, nonfinite_error and its
-# NonFiniteUpdate, subtract_, decay_add_ and decay_into_ (LocalSteps' fused passes).
+# NonFiniteUpdate, subtract_, decay_add_, decay_into_ and step_sum_ (LocalSteps' fused passes).

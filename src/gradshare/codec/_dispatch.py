@@ -308,3 +308,54 @@ def sum_(
         array(target if scratch is None else scratch),
         small=scratch is not None and sparse and flat.size < SMALL,  # O(entries) work
     )
+
+
+def step_sum_(
+    present: Sequence[tuple[torch.Tensor, int, float]],
+    params: torch.Tensor,
+    scratch: torch.Tensor,
+    lr: float,
+    divisor: float,
+) -> int:
+    """Plain SGD, ``params.add_(m, alpha=-lr)``, with ``m`` the validated ``(message, format,
+    t)`` decoded and summed into ``scratch``'s type and divided by ``divisor``
+    (:func:`sum_`'s result); the non-finite count of the elements it changed. On the kernels
+    with only sparse messages it touches just their elements and leaves ``scratch`` alone;
+    else ``scratch`` holds ``m`` after."""
+    sparse = all(f == FLEXIBLE_ENCODING for _, f, _ in present)
+    if not (on_kernels(params) and on_kernels(scratch) and sparse):
+        sum_(present, scratch, None, divisor)
+        params.add_(scratch.to(params.dtype), alpha=-lr)
+        return count_nonfinite(params)
+    if not present or params.numel() == 0:
+        return 0
+    lengths = np.array([m.numel() for m, _, _ in present], np.int64)
+    starts = np.zeros(len(present), np.int64)
+    np.cumsum(lengths[:-1], out=starts[1:])
+    flat = (
+        present[0][0].numpy()
+        if len(present) == 1
+        else (torch.cat([m for m, _, _ in present]).numpy())
+    )
+    dtype = array(scratch).dtype
+    ts = np.array([t for _, _, t in present], dtype)
+    exact = math.frexp(divisor)[0] == 0.5  # a power of two: 1/divisor is exact
+    if exact and ts.min() / divisor >= np.finfo(dtype).tiny:
+        ts, divisor = ts / dtype.type(divisor), 1  # the same rounding, as in sum_
+    p = array(params)
+    bad = np.zeros(kernels().num_chunks(params.numel()), np.int64)
+    launch(
+        "step_sum",
+        p,
+        flat,
+        starts,
+        lengths,
+        ts,
+        dtype.type(divisor),
+        exact,
+        p.dtype.type(-lr),
+        p.dtype.type(-0.0),
+        bad,
+        small=int(lengths.sum()) < SMALL,
+    )
+    return int(bad.sum())

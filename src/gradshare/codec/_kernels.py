@@ -43,7 +43,7 @@ import numpy as np
 from numba import njit, prange
 
 from gradshare.codec._format import COMPACT_GAP as GAP
-from gradshare.codec._intrinsics import make_bitmap_superblock, make_superblock
+from gradshare.codec._intrinsics import fma, make_bitmap_superblock, make_superblock, prefetch
 
 CHUNK = 1 << 16
 """Elements per parallel chunk (a multiple of 16, so bitmap words never straddle chunks)."""
@@ -733,6 +733,74 @@ def decode_sum(
                     buf[i] = zero
 
 
+AHEAD = 32
+"""Entries :func:`step_sum` fetches ahead of the one it steps."""
+
+
+@njit(**_OPTS)
+def step_sum(
+    params, flat, starts, lengths, ts, divisor, exact_inverse, neg_lr, zero, bad
+):  # pragma: no cover
+    """Plain SGD with the mean of validated sparse messages as its gradient, touching only
+    their elements: ``params[i] = fma(neg_lr, m_i, params[i])`` where ``m_i`` is
+    :func:`decode_sum`'s element i (the messages' ``±ts[m]`` summed in order from zero, then
+    divided by ``divisor``, or multiplied by its exact inverse), widened to the params' type
+    by adding ``zero`` (-0.0, which keeps a -0.0). An element whose ``m_i`` is +0.0 (no
+    message names it, or their entries cancel) keeps its value under such a step, and is
+    left alone. ``bad[c]`` counts the non-finite values written in chunk ``c``.
+    """
+    n = params.size
+    divide = divisor != 1
+    inverse = (divisor / divisor) / divisor  # in the sum's type: the mean stays in it
+    nothing = divisor - divisor
+    for c in prange(bad.size):
+        lo = c * CHUNK
+        hi = min(lo + CHUNK, n)
+        count = 0
+        if ts.size == 1:  # one message: each entry is its element's whole sum
+            a, b = _range_in_chunk(flat, starts[0], lengths[0], lo, hi)
+            t = ts[0]
+            for k in range(a, b):
+                if k + AHEAD < b:  # the elements are far apart: fetch ahead of the steps
+                    f = flat[k + AHEAD]
+                    prefetch(params, (f if f > 0 else -f) - 1)
+                e = flat[k]
+                s = nothing + (t if e > 0 else -t)
+                s = (s * inverse if exact_inverse else s / divisor) if divide else s
+                i = (e if e > 0 else -e) - 1
+                v = fma(neg_lr, s + zero, params[i])
+                params[i] = v
+                count += not (abs(v) < np.inf)
+            bad[c] = count
+            continue
+        buf = np.empty(hi - lo, ts.dtype)  # the sums, at the messages' elements only
+        first = np.empty(ts.size, np.int64)
+        last = np.empty(ts.size, np.int64)
+        for m in range(ts.size):
+            first[m], last[m] = _range_in_chunk(flat, starts[m], lengths[m], lo, hi)
+            for k in range(first[m], last[m]):
+                e = flat[k]
+                buf[(e if e > 0 else -e) - 1 - lo] = nothing
+        for m in range(ts.size):
+            t = ts[m]
+            for k in range(first[m], last[m]):
+                e = flat[k]
+                buf[(e if e > 0 else -e) - 1 - lo] += t if e > 0 else -t
+        for m in range(ts.size):
+            for k in range(first[m], last[m]):
+                e = flat[k]
+                i = (e if e > 0 else -e) - 1
+                s = buf[i - lo]
+                s = (s * inverse if exact_inverse else s / divisor) if divide else s
+                if s == 0 and math.copysign(1.0, s) > 0:
+                    continue  # +0.0, or stepped already: the mark below
+                v = fma(neg_lr, s + zero, params[i])
+                params[i] = v
+                count += not (abs(v) < np.inf)
+                buf[i - lo] = nothing
+        bad[c] = count
+
+
 @njit(inline="always")
 def _bitmap_into(words, t, buf):  # pragma: no cover - compiled
     """Add a chunk's bitmap ``words`` (int32, from the chunk's first word) into ``buf``."""
@@ -817,7 +885,7 @@ PARALLEL = {
     k.py_func.__name__: k
     for k in (
         count_nonfinite, take_update, decay_add, scan, undo, emit_sparse,
-        encode_bitmap, first_bad_entry, decode_sparse, decode_bitmap, decode_sum,
+        encode_bitmap, first_bad_entry, decode_sparse, decode_bitmap, decode_sum, step_sum,
         sent_magnitudes, bitmap_magnitudes, encode_bitmap_step,
     )
 }  # fmt: skip

@@ -102,7 +102,7 @@ __all__ = [
 
 # Also here, for gradshare's own modules (not public API): Workspace, serial_kernels, the check_*
 # helpers, float32_threshold, shares_memory, find_nonfinite, nonfinite_error, NonFiniteUpdate,
-# subtract_, decay_add_ and decay_into_.
+# subtract_, decay_add_, decay_into_ and step_sum_.
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -687,7 +687,10 @@ def decode_sum_(
     check): only for messages that this process's own encoders made, in memory of their own,
     for a vector of this length; never for messages received from elsewhere.
     """
-    return _sum_(messages, out, "out", None, divisor, names, checked)
+    _dispatch.sum_(
+        _present(messages, out, "out", None, divisor, names, checked), out, None, divisor
+    )
+    return out
 
 
 def subtract_sum_(
@@ -714,10 +717,49 @@ def subtract_sum_(
             f"Expect `scratch` like `params` ({params.dtype}, {tuple(params.shape)}), got "
             f"{scratch.dtype}, {tuple(scratch.shape)}."
         )
-    return _sum_(messages, params, "params", scratch, divisor, names, checked)
+    present = _present(messages, params, "params", scratch, divisor, names, checked)
+    _dispatch.sum_(present, params, scratch, divisor)
+    return params
 
 
-def _sum_(
+def step_sum_(
+    messages: Sequence[torch.Tensor | None],
+    params: torch.Tensor,
+    scratch: torch.Tensor,
+    *,
+    lr: float,
+    divisor: float = 1.0,
+    names: Sequence[str] | None = None,
+    checked: bool = False,
+) -> int:
+    """Take plain SGD's step on ``params`` with the mean of the decoded ``messages`` as the
+    gradient; return how many values it wrote are not finite.
+
+    The gradient is :func:`decode_sum_`'s result (in ``scratch``'s type), and the step
+    rounds as ``torch.optim.SGD`` without momentum, dampening, weight decay, nesterov or
+    maximize rounds it on the CPU: ``params.add_(grad, alpha=-lr)``, one fused multiply-add
+    per element. On CPU, when every message is sparse, only the elements the messages name
+    are read and written (an element no message names has the gradient +0.0, which such a
+    step leaves as it is), and ``scratch`` is left alone: a step of O(entries), not O(N).
+    Otherwise the gradient is decoded into ``scratch`` first (it holds it after) and every
+    element steps. Validation as in :func:`decode_sum_`; on a fault ``params`` and
+    ``scratch`` are untouched.
+    """
+    if scratch.shape != params.shape:
+        raise ValueError(
+            f"Expect `scratch` of the shape of `params` {tuple(params.shape)}, got "
+            f"{tuple(scratch.shape)}."
+        )
+    if not 0 <= lr <= torch.finfo(params.dtype).max:
+        raise ValueError(
+            f"Expect `lr` >= 0 and finite in {params.dtype}, got {lr!r}: it is SGD's "
+            "learning rate, a float of the parameters' type (torch refuses it too)."
+        )
+    present = _present(messages, params, "params", scratch, divisor, names, checked)
+    return _dispatch.step_sum_(present, params, scratch, lr, divisor)
+
+
+def _present(
     messages: Sequence[torch.Tensor | None],
     target: torch.Tensor,
     target_name: str,
@@ -725,8 +767,9 @@ def _sum_(
     divisor: float,
     names: Sequence[str] | None,
     checked: bool,
-) -> torch.Tensor:
-    """Check everything, then decode ``messages`` into ``target`` (see the two callers)."""
+) -> list[tuple[torch.Tensor, int, float]]:
+    """Every message but None, checked for ``target`` (``scratch``) and (a compact one)
+    expanded, with its format and t: what the decoders take."""
     check_vector(target, target_name)
     _check_divisor(divisor)
     if names is not None and len(names) != len(messages):
@@ -768,8 +811,7 @@ def _sum_(
         except MessageError as e:
             raise MessageError(f"Message from {name} is invalid: {e}") from None
         present.append((m, fmt, t))
-    _dispatch.sum_(present, target, scratch, divisor)
-    return target
+    return present
 
 
 def _check_divisor(divisor: Any) -> None:

@@ -243,7 +243,9 @@ class LocalSteps:
             self._receive()  # the last round's exchange ends before this thread's collectives
         received = self._overlap is not None and self._overlap.received
         self.bytes_sent += self._protocol.begin(frag, self.syncs, self.decay, received)
-        job, before = self._protocol.mean_job(frag, self.syncs, self.compact, self._unsent)
+        job, before = self._protocol.mean_job(
+            frag, self.syncs, self.compact, self._unsent, hold=self._overlap is None
+        )
         if self._overlap is not None:
             self._overlap.launch(frag, job, before, self._unsync)
             self.syncs += 1
@@ -296,8 +298,7 @@ class LocalSteps:
             self.bytes_sent += self._protocol.average_(self.params, self.global_params)
 
     def metrics(self) -> dict[str, float]:
-        """:func:`~gradshare.distributed.metrics.share_metrics` of the counters and of the
-        last sync whose exchange completed."""
+        """:func:`.share_metrics` of the counters and of the last sync whose exchange ended."""
         shown = self._overlap.round.shown if self._overlap is not None else (
             [e.last_stats for e in self.encoders]
         )  # fmt: skip

@@ -18,6 +18,8 @@ import torch
 from gradshare import codec
 from gradshare.codec import multipart
 from gradshare.codec.flat import slices
+from gradshare.distributed.exchange import Pieces
+from gradshare.distributed.local_steps.outer import plain_sgd, took_step
 from gradshare.distributed.local_steps.schedule import Span
 from gradshare.distributed.metrics import Unsent
 from gradshare.encoding.encoder import Encoder, EncodeStats, sample_span
@@ -54,7 +56,7 @@ class Fragment:
 
     __slots__ = (
         "backups", "base", "bases", "decayed", "delta", "deltas", "encoders", "globals", "home",
-        "mean", "means", "names", "params", "samples", "span", "swap", "whole",
+        "mean", "means", "names", "params", "received", "samples", "span", "swap", "whole",
     )  # fmt: skip
 
     def __init__(
@@ -107,6 +109,8 @@ class Fragment:
         """Residuals the round in progress has decayed (:meth:`restore_residuals`)."""
         self.samples: list[torch.Tensor | None] = [None] * n
         """Per parameter: the new residual's magnitudes where its threshold samples."""
+        self.received: tuple[Pieces, int] | None = None
+        """The round's pieces and divisor, held for the outer step (:meth:`hold`)."""
         self.bases: list[torch.Tensor | None] = cut(buffers.base, True)
 
     @property
@@ -251,14 +255,66 @@ class Fragment:
 
     # ------------------------------------------------------------------ the step
 
+    def hold(self, pieces: Pieces, divisor: int) -> None:
+        """Keep the round's validated pieces (and the ``divisor`` of their sum) for the outer
+        step, which decodes them as it needs (:meth:`outer_step`)."""
+        self.received = (pieces, divisor)
+
+    def decode(self, pieces: Pieces, divisor: int) -> None:
+        """The mean of the round's validated pieces into this fragment's part of the mean."""
+        for j, m in enumerate(self.means):
+            codec.decode_sum_(pieces.of(j), m, divisor=divisor, names=pieces.names, checked=True)
+
     def outer_step(self, outer: torch.optim.Optimizer, what: str) -> None:
         """The outer optimizer steps this fragment's global copy with the mean as its
-        gradient (the others have none: it leaves them as they are).
+        gradient (the others have none: it leaves them as they are). Plain SGD with the
+        pieces held (:meth:`hold`) on the CPU steps only the elements they name, checking
+        those; any other step has the mean decoded in full first and checks every element.
 
         Raises:
             OuterStepError: the step raised, or left the global copy non-finite (``what``
                 names the round and the optimizer).
         """
+        received, self.received = self.received, None
+        lrs = None if received is None or self.home.type != "cpu" else plain_sgd(outer)
+        if lrs is not None and all(_fits(lrs.get(id(g)), g.dtype) for g in self.globals):
+            assert received is not None
+            failure = self._plain_step(received[0], received[1], lrs)
+            took_step(outer)
+        else:
+            if received is not None:
+                self.decode(*received)
+            failure = self._own_step(outer)
+        if failure is not None:
+            raise OuterStepError(
+                f"{what}: the outer step {failure}, from a finite mean outer gradient: its "
+                "learning rate is too large for it. The model kept its replica and syncing "
+                "stopped; resume from a checkpoint with a lower outer learning rate."
+            )
+
+    def _plain_step(self, pieces: Pieces, divisor: int, lrs: dict[int, float]) -> str | None:
+        """Plain SGD's step on the elements the pieces name (:func:`codec.step_sum_`); what
+        failed, or None."""
+        bad = None
+        for j, (g, m) in enumerate(zip(self.globals, self.means, strict=True)):
+            if (
+                codec.step_sum_(
+                    pieces.of(j),
+                    g.view(-1),
+                    m,
+                    lr=lrs[id(g)],
+                    divisor=divisor,
+                    names=pieces.names,
+                    checked=True,
+                )
+                and bad is None
+            ):
+                bad = self.names[j]
+        return None if bad is None else f"turned the global copy of parameter {bad!r} non-finite"
+
+    def _own_step(self, outer: torch.optim.Optimizer) -> str | None:
+        """The optimizer's own step with the mean (decoded in full) as the gradient, every
+        element checked after; what failed, or None."""
         for g, m in zip(self.globals, self.means, strict=True):
             g.grad = m.view_as(g).to(g.dtype)
         failure = None
@@ -273,12 +329,7 @@ class Fragment:
                    if codec.find_nonfinite(g.reshape(-1))[0]]  # fmt: skip
             if bad:
                 failure = f"turned the global copy of parameter {bad[0]!r} non-finite"
-        if failure is not None:
-            raise OuterStepError(
-                f"{what}: the outer step {failure}, from a finite mean outer gradient: its "
-                "learning rate is too large for it. The model kept its replica and syncing "
-                "stopped; resume from a checkpoint with a lower outer learning rate."
-            )
+        return failure
 
     def take_global(self) -> None:
         """The model's parameters take the global copy."""
@@ -338,6 +389,11 @@ class Fragment:
         for p, b in zip(self.params, self.bases, strict=True):
             assert b is not None
             p.detach().sub_(b.view_as(p).to(p.device, p.dtype))
+
+
+def _fits(lr: float | None, dtype: torch.dtype) -> bool:
+    """Whether plain SGD steps a tensor of ``dtype`` with ``lr`` (else torch raises)."""
+    return lr is not None and 0 <= lr <= torch.finfo(dtype).max
 
 
 def build_fragments(
