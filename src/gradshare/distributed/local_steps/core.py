@@ -243,9 +243,7 @@ class LocalSteps:
             self._receive()  # the last round's exchange ends before this thread's collectives
         received = self._overlap is not None and self._overlap.received
         self.bytes_sent += self._protocol.begin(frag, self.syncs, self.decay, received)
-        job, before = self._protocol.mean_job(
-            frag, self.syncs, self.compact, self._unsent, hold=self._overlap is None
-        )
+        job, before = self._protocol.mean_job(frag, self.syncs, self._unsent, self._overlap is None)
         if self._overlap is not None:
             self._overlap.launch(frag, job, before, self._unsync)
             self.syncs += 1
@@ -374,6 +372,7 @@ def _build_rounds(ls: LocalSteps) -> tuple[list[Fragment], Buffers, Overlap | No
     fragments, flat = build_fragments(
         ls._schedule.spans, ls.names, ls.params, ls.global_params, ls.encoders, whole,
         home=ls.home, keep_delta=ls.dense or bool(ls.overlap), overlap=bool(ls.overlap),
+        compact=ls.compact,
     )  # fmt: skip
     if not ls.overlap:
         return fragments, flat, None

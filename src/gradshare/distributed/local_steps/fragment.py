@@ -55,8 +55,9 @@ class Fragment:
     """A run of parameters synced together, with the views of every buffer it works on."""
 
     __slots__ = (
-        "backups", "base", "bases", "decayed", "delta", "deltas", "encoders", "globals", "home",
-        "mean", "means", "names", "params", "received", "samples", "span", "swap", "whole",
+        "backups", "base", "bases", "before", "compact", "decayed", "delta", "deltas", "encoders",
+        "failure", "globals", "home", "mean", "means", "names", "params", "received", "sent",
+        "span", "swap", "whole",
     )  # fmt: skip
 
     def __init__(
@@ -70,6 +71,7 @@ class Fragment:
         buffers: Buffers,
         home: torch.device,
         swap: bool,
+        compact: bool,
     ) -> None:
         self.span = span
         self.names = names
@@ -102,13 +104,19 @@ class Fragment:
         self.backups: list[torch.Tensor | None] = cut(buffers.backup, False)  # one at a time
         """Per parameter: its residual from before the round in progress. Each fragment's
         own, or one fragment's size shared by all (one round at a time)."""
+        self.compact = compact
+        """Send sparse pieces in their compact form (LocalSteps' setting)."""
         self.swap = swap
         """The backups are this fragment's alone (one fragment): the Δ pass writes the new
         residual into the backup and the two swap, where else the old one is copied."""
         self.decayed = 0
         """Residuals the round in progress has decayed (:meth:`restore_residuals`)."""
-        self.samples: list[torch.Tensor | None] = [None] * n
-        """Per parameter: the new residual's magnitudes where its threshold samples."""
+        self.before: list[dict[str, Any]] = []
+        """Every encoder's state from before the round in progress."""
+        self.sent: list[tuple[torch.Tensor | None, float]] = []
+        """The round's pieces so far, with their thresholds (:meth:`message`)."""
+        self.failure: Exception | None = None
+        """Why the round's encoding failed, or None."""
         self.received: tuple[Pieces, int] | None = None
         """The round's pieces and divisor, held for the outer step (:meth:`hold`)."""
         self.bases: list[torch.Tensor | None] = cut(buffers.base, True)
@@ -125,22 +133,27 @@ class Fragment:
     def stats(self) -> list[EncodeStats | None]:
         return [e.last_stats for e in self.encoders]
 
-    # ------------------------------------------------------------------ Δ into the residuals
+    # ------------------------------------------------------------------ Δ, the encode
 
     def pseudo_gradient_(self, decay: float, sent_from: bool, round: int) -> int:
         """Δ = start - local for this fragment's parameters, in float32; the model index of
-        the first parameter whose Δ is not finite (-1 when all are). Encoded syncs add it into
-        each residual as it decays (residual = β·residual + Δ), in the one pass that computes
-        it, and sample the new residual where round ``round``'s threshold looks
-        (:func:`~gradshare.encoding.encoder.sample_span`); dense syncs and ``overlap`` keep Δ
-        in Δ. The old residual is kept: with one fragment the new one is written beside it
-        and the two swap (:attr:`swap`), else it is copied into the backup. If this raises,
-        or a Δ is not finite, every residual is as it was. The start is the global copy; with
-        overlap, plus the base (the carry), or the base itself when ``sent_from`` (the last
-        round's mean waits for its merge: where that round was sent from, the lead included).
+        the first parameter whose Δ is not finite (-1 when all are). Dense syncs and
+        ``overlap`` keep Δ in Δ. Encoded syncs add it into each residual as it decays
+        (residual = β·residual + Δ) in the one pass that computes it, sampled where round
+        ``round``'s threshold looks (:func:`~gradshare.encoding.encoder.sample_span`), and
+        encode the parameter at once (:meth:`message` joins the pieces), while its new
+        residual is still in cache: a pass over every residual later read them all from
+        memory again. The old residuals are kept: with one fragment each new one is written
+        beside it and the two swap (:attr:`swap`), else it is copied into the backup. An
+        encode that fails ends the encoding (:meth:`message` tells it). If this raises, or a
+        Δ is not finite, every residual and encoder is as it was. The start is the global
+        copy; with overlap, plus the base (the carry), or the base itself when ``sent_from``
+        (the last round's mean waits for its merge: where that round was sent from, the lead
+        included).
         """
-        self.samples = [None] * len(self.params)
         self.decayed = 0
+        self.before = [enc.state_dict(residual=False) for enc in self.encoders]
+        self.sent, self.failure = [], None
         try:
             for j, (g, p) in enumerate(zip(self.globals, self.params, strict=True)):
                 local = p.detach().to(self.home, torch.float32).reshape(-1)
@@ -151,14 +164,17 @@ class Fragment:
                 if not self.encoders:
                     d = self.deltas[j]
                     assert d is not None  # dense syncs keep Δ
-                    nonfinite = codec.subtract_(start, local, d, plus=b)
-                else:
-                    nonfinite = self._decay_one(j, decay, start, local, b, round)
+                    if codec.subtract_(start, local, d, plus=b):
+                        return self.span.first + j
+                    continue
+                nonfinite, magnitudes = self._decay_one(j, decay, start, local, b, round)
                 if nonfinite:  # the round stops on every rank: nothing more to compute
-                    self.restore_residuals()
+                    self.put_back(self.before)
                     return self.span.first + j
+                if self.failure is None:
+                    self._encode_one(j, round, magnitudes)
         except BaseException:
-            self.restore_residuals()
+            self.put_back(self.before)
             raise
         return -1
 
@@ -170,26 +186,27 @@ class Fragment:
         local: torch.Tensor,
         plus: torch.Tensor | None,
         round: int,
-    ) -> int:
-        """Parameter ``j``'s Δ into its residual, sampled for its threshold; the non-finite
-        count (the residual is then as it was, :attr:`decayed` counting it)."""
+    ) -> tuple[int, torch.Tensor | None]:
+        """Parameter ``j``'s Δ into its residual: the non-finite count, and the new
+        residual's magnitudes where its threshold samples (the residual is as it was again
+        after :meth:`restore_residuals`, :attr:`decayed` counting it)."""
         enc, keep = self.encoders[j], self.backups[j]
         assert keep is not None
         if enc.residual is None:
             enc.residual = torch.zeros_like(local)
-        sample = None
+        sample, m = None, None
         k = enc.algorithm.samples
         if k and not self.whole[j]:
             first, stride = sample_span(local.numel(), k, round)
             m = torch.empty(len(range(first, local.numel(), stride)), device=self.home)
-            self.samples[j], sample = m, (m, first, stride)
+            sample = (m, first, stride)
         d = self.deltas[j]
         if not self.swap:
             bad = codec.decay_add_(
                 enc.residual, decay, keep, start, local, plus=plus, out=d, sample=sample
             )
             self.decayed += 1
-            return bad
+            return bad, m
         try:
             bad = codec.decay_into_(
                 enc.residual, decay, keep, start, local, plus=plus, out=d, sample=sample
@@ -197,7 +214,24 @@ class Fragment:
         finally:  # the old residual becomes the backup, also should the kernel have raised
             enc.residual, self.backups[j] = keep, enc.residual
             self.decayed += 1
-        return bad
+        return bad, m
+
+    def _encode_one(self, j: int, round: int, magnitudes: torch.Tensor | None) -> None:
+        """Encode parameter ``j``'s residual (its piece of this rank's message, compact with
+        :attr:`compact`); an error is kept in :attr:`failure`."""
+        enc = self.encoders[j]
+        try:
+            message: torch.Tensor | None
+            if self.whole[j]:  # too small: a dense piece
+                message = enc.encode_whole(None, round)
+            else:
+                message = enc.encode(None, round, magnitudes=magnitudes)
+            if self.compact and message is not None:
+                message = codec.compact_message(message)
+            assert enc.last_stats is not None
+            self.sent.append((message, enc.last_stats.threshold))
+        except Exception as e:
+            self.failure = e
 
     def restore_residuals(self) -> None:
         """The residuals that :meth:`pseudo_gradient_` decayed back as they were before it
@@ -211,44 +245,31 @@ class Fragment:
                 enc.residual.copy_(keep)
         self.decayed = 0
 
-    # ------------------------------------------------------------------ the encode
-
-    def encode(
-        self, round: int, compact: bool, unsent: Unsent
+    def message(
+        self, unsent: Unsent
     ) -> tuple[torch.Tensor | None, Exception | None, list[dict[str, Any]]]:
-        """Encode each residual (β·residual + Δ, :meth:`pseudo_gradient_`'s) into this
-        rank's message, its parameters' pieces back to back. Returns the message, the error
-        if encoding failed, and every encoder's state from before this round (a round that
-        fails puts it back whole: the decay, Δ, what was encoded and the threshold state; the
-        residuals themselves are in the backup)."""
-        sent: list[tuple[torch.Tensor | None, float]] = []
-        mine, failure = None, None
-        before = [enc.state_dict(residual=False) for enc in self.encoders]
-        try:
-            for j, enc in enumerate(self.encoders):
-                message: torch.Tensor | None
-                if self.whole[j]:  # too small: a dense piece
-                    message = enc.encode_whole(None, round)
-                else:
-                    message = enc.encode(None, round, magnitudes=self.samples[j])
-                if compact and message is not None:
-                    message = codec.compact_message(message)
-                assert enc.last_stats is not None
-                unsent.count(self.names[j], enc.last_stats)
-                sent.append((message, enc.last_stats.threshold))
-            mine = multipart.join_messages(
-                [m for m, _ in sent],
-                [p.numel() for p in self.params],
-                [t for _, t in sent],
-                self.home,
-            )
-        except Exception as e:
-            failure = e
-        self.samples = [None] * len(self.params)
-        return mine, failure, before
+        """This rank's message of the round (its parameters' pieces, made by
+        :meth:`pseudo_gradient_`, back to back), the error if encoding failed, and every
+        encoder's state from before the round (a round that fails puts it back whole:
+        :meth:`put_back`). Each parameter's stats count in ``unsent``."""
+        mine, failure = None, self.failure
+        if failure is None:
+            try:
+                for name, enc in zip(self.names, self.encoders, strict=True):
+                    unsent.count(name, enc.last_stats)
+                mine = multipart.join_messages(
+                    [m for m, _ in self.sent],
+                    [p.numel() for p in self.params],
+                    [t for _, t in self.sent],
+                    self.home,
+                )
+            except Exception as e:
+                failure = e
+        self.sent = []
+        return mine, failure, self.before
 
     def put_back(self, before: list[dict[str, Any]]) -> None:
-        """Every residual and encoder as before the round (:meth:`encode`'s ``before``)."""
+        """Every residual and encoder as before the round (:meth:`message`'s ``before``)."""
         self.restore_residuals()
         for enc, state in zip(self.encoders, before, strict=True):
             enc.load_state_dict({**state, "residual": enc.residual})
@@ -407,6 +428,7 @@ def build_fragments(
     home: torch.device,
     keep_delta: bool,
     overlap: bool,
+    compact: bool,
 ) -> tuple[list[Fragment], Buffers]:
     """The flat buffers for ``params`` (float32, on ``home``) and one :class:`Fragment` per
     span, its views cut once."""
@@ -430,6 +452,7 @@ def build_fragments(
             buffers,
             home,
             len(spans) == 1,
+            compact,
         )
         for s in spans
     ]

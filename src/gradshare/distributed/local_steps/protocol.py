@@ -90,9 +90,10 @@ class Protocol:
     # ------------------------------------------------------------------ a round's steps
 
     def begin(self, fragment: Fragment, round: int, decay: float, sent_from: bool) -> int:
-        """Δ into the residuals (:meth:`Fragment.pseudo_gradient_`), then the header: a rank
-        whose Δ failed or is not finite stops every rank alike, with every residual as it
-        was; the buffers that differ become rank 0's. Returns the bytes this rank sent."""
+        """Δ into the residuals and their encode (:meth:`Fragment.pseudo_gradient_`), then
+        the header: a rank whose Δ failed or is not finite stops every rank alike, with every
+        residual and encoder as it was; the buffers that differ become rank 0's. Returns the
+        bytes this rank sent."""
         status, bad, failure = OK, -1, None
         try:
             bad = fragment.pseudo_gradient_(decay, sent_from, round)
@@ -106,22 +107,22 @@ class Protocol:
             self.check(table, round)
             return self.take_buffers(table)
         except BaseException:
-            if failure is None:  # Δ went into the residuals: they go back
-                fragment.restore_residuals()
+            if failure is None:  # Δ went into the residuals and was encoded: undone
+                fragment.put_back(fragment.before)
             raise
 
     def mean_job(
-        self, fragment: Fragment, round: int, compact: bool, unsent: Unsent, hold: bool
+        self, fragment: Fragment, round: int, unsent: Unsent, hold: bool
     ) -> tuple[Callable[[], int], list[dict[str, Any]]]:
         """The round's exchange, to run now or in the background (it returns the bytes this
         rank sent, and leaves the mean in the fragment's part of the mean buffer, or with
         ``hold`` the validated pieces with the fragment for its outer step:
-        :meth:`Fragment.hold`), and every encoder's state from before the encode. An encode
-        that fails tells the other ranks now and raises, every encoder put back."""
+        :meth:`Fragment.hold`), and every encoder's state from before the round. An encode
+        that failed tells the other ranks now and raises, every encoder put back."""
         group = self.private.get()
         if not fragment.encoders:
             return (lambda: self.dense_mean(group, fragment)), []
-        mine, failure, before = fragment.encode(round, compact, unsent)
+        mine, failure, before = fragment.message(unsent)
         if failure is not None:  # nothing is in flight: the others hear of it now
             undone_on_error(
                 fragment,
