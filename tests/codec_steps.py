@@ -48,18 +48,42 @@ def run_steps() -> list[torch.Tensor]:
         decayed = x.clone()
         codec.decay_add_(decayed, 0.95, kept, x + 1, x * 0.5, plus=x * 3, out=delta.clone())
         out += [delta, kept, decayed]
-        for plus, delta_out in ((None, None), (x * 3, torch.empty_like(x)), (None, kept)):
+        # the forms LocalSteps calls: no overlap, τ < H (carry, send point), the lead (Δ kept)
+        for plus, delta_out, copy in (
+            (None, None, None),
+            (x * 3, None, torch.empty_like(x)),
+            (x * 3, torch.empty_like(x), None),
+        ):
             into, sampled = (
                 torch.empty_like(x),
                 torch.empty(len(range(5, x.numel(), 64)), dtype=dtype),
             )
             codec.decay_into_(
-                x, 0.95, into, x + 1, x * 0.5, plus=plus, out=delta_out, sample=(sampled, 5, 64)
+                x,
+                0.95,
+                into,
+                x + 1,
+                x * 0.5,
+                plus=plus,
+                out=delta_out,
+                sample=(sampled, 5, 64),
+                copy=copy,
             )
-            out += [into, sampled]
-        codec.decay_add_(
-            decayed, 0.95, kept, x + 1, x * 0.5, sample=(torch.empty(x.numel(), dtype=dtype), 0, 1)
-        )
+            out += [into, sampled] + ([] if copy is None else [copy])
+        for plus, copy in ((None, None), (x * 3, torch.empty_like(x))):  # fragments
+            codec.decay_add_(
+                decayed,
+                0.95,
+                kept,
+                x + 1,
+                x * 0.5,
+                plus=plus,
+                copy=copy,
+                sample=(torch.empty(x.numel(), dtype=dtype), 0, 1),
+            )
+        carried, local = x.clone(), x * 0.5
+        codec.subtract_(carried, local, carried, then=x + 1)  # a merge's carry and take
+        out += [carried, local]
         for sent, world in ((messages[:1], 1), ([messages[0], messages[3]], 3)):
             stepped = x.clone()
             codec.step_sum_(

@@ -650,6 +650,18 @@ class TestSubtract:
         big = torch.full((n,), 3e38)
         assert codec.subtract_(big, -big, torch.empty(n)) == n  # overflow to infinity
 
+    @pytest.mark.parametrize("kernels", [True, False], ids=["kernels", "torch"])
+    @pytest.mark.parametrize("n", [5, CHUNK * 3 + 7])
+    def test_then_and_out_as_before(self, kernels: bool, n: int) -> None:
+        """LocalSteps' carry at a merge: ``base -= local`` (``out`` is ``before``), and the
+        replica takes the global copy (``then``) in the same pass."""
+        g = torch.Generator().manual_seed(n)
+        base, local, glob = (torch.randn(n, generator=g) * 10**-i for i in range(3))
+        want, out = base - local, base.clone()
+        with codec.use_kernels(kernels):
+            assert codec.subtract_(out, local, out, then=glob) == 0
+        assert torch.equal(bits(out), bits(want)) and torch.equal(local, glob)
+
     def test_mismatched_buffers_refused(self) -> None:
         with pytest.raises(ValueError, match="`plus` like `before`"):
             codec.subtract_(torch.zeros(4), torch.zeros(4), torch.zeros(4), plus=torch.zeros(5))
@@ -718,7 +730,7 @@ class TestDecayInto:
         g = torch.Generator().manual_seed(n)
         start, local, extra, old = (torch.randn(n, generator=g) * 10**-i for i in range(4))
         first, stride = span[0] % n, span[1]
-        r, into, d = old.clone(), torch.full((n,), 5.0), torch.empty(n)
+        r, into, d, sent = old.clone(), torch.full((n,), 5.0), torch.empty(n), torch.empty(n)
         m = torch.empty(len(range(first, n, stride)))
         with codec.use_kernels(kernels):
             bad = codec.decay_into_(
@@ -730,10 +742,11 @@ class TestDecayInto:
                 plus=extra if carry else None,
                 out=d,
                 sample=(m, first, stride),
+                copy=sent,
             )
         delta = ((start + extra) - local) if carry else (start - local)
         new = old.mul(0.95).add_(delta)
-        assert bad == 0 and torch.equal(bits(r), bits(old))
+        assert bad == 0 and torch.equal(bits(r), bits(old)) and torch.equal(sent, local)
         assert torch.equal(bits(into), bits(new)) and torch.equal(bits(d), bits(delta))
         assert torch.equal(bits(m), bits(new[first::stride].abs()))
 

@@ -1202,12 +1202,13 @@ def _rank_cuda(rank: int, world: int, overlap: bool) -> torch.Tensor:
     return flat(model).cpu()
 
 
-def _rank_failed_exchange(rank: int, world: int, overlap: bool) -> bool:
+def _rank_failed_exchange(rank: int, world: int, overlap: bool | int) -> bool:
     """The exchange fails after this rank encoded (a peer lost mid-sync): every encoder is as
     it was before the sync (residual after the decay and the encoded Δ, threshold state), and
     the replica keeps its local move for the sync that follows. With overlap the exchange
     fails in the background, and the next flush (or sync) raises and puts the encoders back;
-    the next Δ, from the global copy plus the carry, is round 1's again."""
+    the next Δ, from the global copy plus the carry, is round 1's again (with τ = 1 the carry
+    itself is as it was, bit for bit: the Δ pass noted the send point elsewhere)."""
     import gradshare.distributed.exchange as module
 
     model = toy_model()
@@ -1225,9 +1226,10 @@ def _rank_failed_exchange(rank: int, world: int, overlap: bool) -> bool:
         locals_: list = []
         inner.register_step_post_hook(_recorder(model, locals_))  # before the sync's hook
         sync = LocalSteps(model, inner, sync_every=2, decay=0.9, timeout=10, overlap=overlap)
-        _train(model, inner, batches[:2])  # round 0 goes through: the residuals hold something
+        _train(model, inner, batches[:3])  # round 0 goes through: the residuals hold something
         before = [e.state_dict() for e in sync.encoders]
-        _train(model, inner, batches[2:4])  # round 1
+        carry = sync._flat.base.clone() if overlap else None  # τ = 1: merged at step 3
+        _train(model, inner, batches[3:4])  # round 1
         sync.flush()
     except ExchangeError:
         pass
@@ -1242,12 +1244,14 @@ def _rank_failed_exchange(rank: int, world: int, overlap: bool) -> bool:
         for a, b in zip(before, after, strict=True)
     )  # fmt: skip
     kept = True
-    if overlap:  # round 1 was sent from step 2's replica (sync 1 merged nothing) at step 4
+    if overlap is True:  # round 1 was sent from step 2's replica (sync 1 merged nothing) at step 4
         start = torch.cat([g.reshape(-1) for g in sync.global_params]) + sync._flat.base
         kept = torch.allclose(start - flat(model), locals_[1] - locals_[3], atol=1e-6)
+    elif overlap:
+        kept = torch.equal(sync._flat.base, carry)  # type: ignore[arg-type]
     return same and sync.syncs == 1 and kept
 
 
-@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("overlap", [False, True, 1])
 def test_a_failed_exchange_leaves_every_encoder_as_it_was(overlap: bool) -> None:
     assert spawn(_rank_failed_exchange, 1, overlap)[0].get()

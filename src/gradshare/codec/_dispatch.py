@@ -152,49 +152,38 @@ def count_nonfinite(x: torch.Tensor) -> int:
 
 def take_update_(
     before: torch.Tensor, after: torch.Tensor, out: torch.Tensor, restore: bool,
-    plus: torch.Tensor | None = None,
+    plus: torch.Tensor | None = None, source: torch.Tensor | None = None,
 ) -> int:  # fmt: skip
     """``out = (before + plus) - after`` (``before - after`` without ``plus``; then
-    ``after = before`` with ``restore``); non-finite count of ``out``."""
+    ``after = before`` with ``restore``, or ``after = source``); non-finite count of ``out``."""
+    if restore:
+        source = before
     if on_kernels(before) and before.numel():
         counts = np.zeros(kernels().num_chunks(before.numel()), np.int64)
-        b = array(before)
-        extra = b if plus is None else array(plus)
-        launch("take_update", b, extra, plus is not None, array(after), array(out), restore,
-               counts)  # fmt: skip
+        launch("take_update", array(before), _maybe(plus), array(after), array(out),
+               _maybe(source), counts)  # fmt: skip
         return int(counts.sum())
-    return _torch_paths.take_update_(before, after, out, restore, plus)
+    return _torch_paths.take_update_(before, after, out, plus, source)
 
 
 def decay_add_(
     src: torch.Tensor, factor: float, dst: torch.Tensor, keep: torch.Tensor | None,
     before: torch.Tensor, after: torch.Tensor, plus: torch.Tensor | None,
     out: torch.Tensor | None, sample: tuple[torch.Tensor, int, int] | None = None,
+    copy: torch.Tensor | None = None,
 ) -> int:  # fmt: skip
-    """``keep = src`` (if given), ``d = (before + plus) - after`` (into ``out`` if given) and
-    ``dst = src * factor + d`` (``dst`` may be ``src``); ``sample = (m, start, stride)``:
-    ``m[i] = |dst[start + i * stride]|``. The non-finite count of ``dst``."""
+    """``keep = src`` and ``copy = after`` (if given), ``d = (before + plus) - after`` (into
+    ``out`` if given) and ``dst = src * factor + d`` (``dst`` may be ``src``); ``sample = (m,
+    start, stride)``: ``m[i] = |dst[start + i * stride]|``. The non-finite count of ``dst``."""
     if on_kernels(dst) and dst.numel():
         counts = np.zeros(kernels().num_chunks(dst.numel()), np.int64)
         d = array(dst)
         m, start, stride = (d[:0], 0, 1) if sample is None else (array(sample[0]), *sample[1:])
-        launch(
-            "decay_add",
-            array(src),
-            scalar(factor, dst),
-            d,
-            _maybe(keep),
-            array(before),
-            _maybe(plus),
-            array(after),
-            _maybe(out),
-            m,
-            start,
-            stride,
-            counts,
-        )
+        launch("decay_add", array(src), scalar(factor, dst), d, _maybe(keep), array(before),
+               _maybe(plus), array(after), _maybe(out), _maybe(copy), m, start, stride,
+               counts)  # fmt: skip
         return int(counts.sum())
-    return _torch_paths.decay_add_(src, factor, dst, keep, before, after, plus, out, sample)
+    return _torch_paths.decay_add_(src, factor, dst, keep, before, after, plus, out, sample, copy)
 
 
 # --------------------------------------------------------------------------- decode

@@ -88,10 +88,11 @@ def count_nonfinite(x, counts):  # pragma: no cover - compiled
 
 
 @njit(**_OPTS)
-def take_update(before, plus, has_plus, after, out, restore, counts):  # pragma: no cover
-    """``out = (before + plus) - after`` (``before - after`` without ``has_plus``; then
-    ``after = before`` if ``restore``), counting per chunk the non-finite elements of ``out``
-    into ``counts``: one pass over the arrays (the count reads each chunk again in cache).
+def take_update(before, plus, after, out, source, counts):  # pragma: no cover - compiled
+    """``out = (before + plus) - after`` (``before - after`` when ``plus`` is None; then
+    ``after = source`` unless None), counting per chunk the non-finite elements of ``out``
+    into ``counts``: one pass over the arrays (the count and the copy read each chunk again
+    in cache). Optional arrays are None, as in :func:`decay_add`.
 
     No fastmath here: each element sees the same IEEE operations, in the same order, as
     torch's ``add`` then ``sub``; only the count (:func:`_nonfinite_in`) reassociates.
@@ -103,30 +104,25 @@ def take_update(before, plus, has_plus, after, out, restore, counts):  # pragma:
         b = before[lo:hi]
         a = after[lo:hi]
         o = out[lo:hi]
-        if has_plus:
-            q = plus[lo:hi]
+        for j in range(hi - lo):
+            o[j] = ((b[j] + plus[lo + j]) if plus is not None else b[j]) - a[j]
+        if source is not None:
             for j in range(hi - lo):
-                o[j] = (b[j] + q[j]) - a[j]
-        else:
-            for j in range(hi - lo):
-                o[j] = b[j] - a[j]
-        if restore:
-            for j in range(hi - lo):
-                a[j] = b[j]
+                a[j] = source[lo + j]
         counts[c] = _nonfinite_in(o)
 
 
 @njit(**_OPTS)
 def decay_add(
-    src, factor, dst, keep, before, plus, after, out, sample, start, stride, counts
+    src, factor, dst, keep, before, plus, after, out, copy, sample, start, stride, counts
 ):  # pragma: no cover - compiled
     """``d = (before + plus) - after`` (``before - after`` when ``plus`` is None; into ``out``
-    unless None), ``keep = src`` (unless None) and ``dst = src * factor + d``, counting per
-    chunk the non-finite elements of ``dst`` into ``counts``: one pass over the arrays, where
-    a difference, a decay and an add would take three. ``dst`` is ``src`` itself (the residual
-    decays in place, its old values kept in ``keep``) or another array (``src`` is then left
-    as it was). ``sample[i] = |dst[start + i * stride]|`` for every ``i`` (none when it is
-    empty), taken while each chunk is in cache.
+    unless None), ``keep = src`` and ``copy = after`` (unless None) and ``dst = src * factor
+    + d``, counting per chunk the non-finite elements of ``dst`` into ``counts``: one pass
+    over the arrays, where a difference, a decay and an add would take three. ``dst`` is
+    ``src`` itself (the residual decays in place, its old values kept in ``keep``) or another
+    array (``src`` is then left as it was). ``sample[i] = |dst[start + i * stride]|`` for
+    every ``i`` (none when it is empty), taken while each chunk is in cache.
 
     The optional arrays are None rather than flagged: numba compiles each combination with
     the unused arrays' code removed, so that every loop vectorises (with flags a third
@@ -146,6 +142,8 @@ def decay_add(
             d = ((b[j] + plus[lo + j]) if plus is not None else b[j]) - a[j]
             if out is not None:
                 out[lo + j] = d
+            if copy is not None:
+                copy[lo + j] = a[j]
             v = rs[j]
             if keep is not None:
                 keep[lo + j] = v

@@ -281,29 +281,25 @@ def take_update_(
 
 def subtract_(
     before: torch.Tensor, after: torch.Tensor, out: torch.Tensor, *,
-    plus: torch.Tensor | None = None,
+    plus: torch.Tensor | None = None, then: torch.Tensor | None = None,
 ) -> int:  # fmt: skip
     """``out = (before + plus) - after`` (``before - after`` without ``plus``), rounded as
-    torch's ``add`` then ``sub`` round it; the number of non-finite elements of ``out``.
+    torch's ``add`` then ``sub`` round it, then ``after = then`` when given; the number of
+    non-finite elements of ``out``.
 
     On CPU it is one pass over the vectors, the count included (for a caller that names
-    what is not finite instead of raising, where :func:`take_update_` raises).
+    what is not finite instead of raising, where :func:`take_update_` raises). ``out`` may
+    be ``before`` (LocalSteps' carry, ``base -= local``, as its replica takes the global copy
+    ``then``).
     """
-    for name, x in (("after", after), ("out", out), ("plus", plus)):
-        if x is not None and (
-            x.shape != before.shape or x.dtype != before.dtype or x.device != before.device
-        ):
-            raise ValueError(
-                f"Expect `{name}` like `before` ({before.dtype}, {tuple(before.shape)}, "
-                f"{before.device}), got {x.dtype}, {tuple(x.shape)}, {x.device}."
-            )
-    return _dispatch.take_update_(before, after, out, False, plus)
+    _check_like(before, after=after, out=out, plus=plus, then=then, like="before")
+    return _dispatch.take_update_(before, after, out, False, plus, then)
 
 
 def decay_add_(
     residual: torch.Tensor, factor: float, backup: torch.Tensor, before: torch.Tensor,
     after: torch.Tensor, *, plus: torch.Tensor | None = None, out: torch.Tensor | None = None,
-    sample: tuple[torch.Tensor, int, int] | None = None,
+    sample: tuple[torch.Tensor, int, int] | None = None, copy: torch.Tensor | None = None,
 ) -> int:  # fmt: skip
     """``backup = residual``, then ``residual = residual * factor + d`` with the difference
     ``d = (before + plus) - after`` (``before - after`` without ``plus``; also written to
@@ -315,55 +311,43 @@ def decay_add_(
     when the round fails (a non-finite ``d`` makes its element of the residual non-finite).
     ``sample = (magnitudes, start, stride)`` also writes ``magnitudes[i] = |residual[start +
     i * stride]|`` (the new residual) in the same pass: what a threshold algorithm samples
-    (:func:`gradshare.encoding.encoder.sample_span`).
+    (:func:`gradshare.encoding.encoder.sample_span`); ``copy`` takes ``after`` as it is
+    (LocalSteps' send point).
     """
-    _check_like(residual, backup=backup, before=before, after=after, plus=plus, out=out)
-    return _dispatch.decay_add_(
-        residual,
-        factor,
-        residual,
-        backup,
-        before,
-        after,
-        plus,
-        out,
-        _checked_sample(residual, sample),
-    )
+    _check_like(residual, backup=backup, before=before, after=after, plus=plus, out=out,
+                copy=copy)  # fmt: skip
+    sample = _checked_sample(residual, sample)
+    return _dispatch.decay_add_(residual, factor, residual, backup, before, after, plus, out,
+                                sample, copy)  # fmt: skip
 
 
 def decay_into_(
-    residual: torch.Tensor,
-    factor: float,
-    into: torch.Tensor,
-    before: torch.Tensor,
-    after: torch.Tensor,
-    *,
-    plus: torch.Tensor | None = None,
-    out: torch.Tensor | None = None,
-    sample: tuple[torch.Tensor, int, int] | None = None,
-) -> int:
+    residual: torch.Tensor, factor: float, into: torch.Tensor, before: torch.Tensor,
+    after: torch.Tensor, *, plus: torch.Tensor | None = None, out: torch.Tensor | None = None,
+    sample: tuple[torch.Tensor, int, int] | None = None, copy: torch.Tensor | None = None,
+) -> int:  # fmt: skip
     """:func:`decay_add_` that writes the new residual into ``into`` and leaves ``residual``
     as it was (it is then the backup; the caller swaps the two): ``into = residual * factor +
     d``, one write fewer than a backup's copy. The number of non-finite elements of ``into``.
     """
-    _check_like(residual, into=into, before=before, after=after, plus=plus, out=out)
+    _check_like(residual, into=into, before=before, after=after, plus=plus, out=out, copy=copy)
     if shares_memory(residual, into):
         raise ValueError("Expect `into` in memory of its own, apart from `residual`.")
-    return _dispatch.decay_add_(
-        residual, factor, into, None, before, after, plus, out, _checked_sample(into, sample)
-    )
+    sample = _checked_sample(into, sample)
+    return _dispatch.decay_add_(residual, factor, into, None, before, after, plus, out,
+                                sample, copy)  # fmt: skip
 
 
-def _check_like(residual: torch.Tensor, **others: torch.Tensor | None) -> None:
+def _check_like(first: torch.Tensor, like: str = "residual", **others: Any) -> None:
+    """Raise unless every tensor of ``others`` (None: absent) is like ``first``, which the
+    error calls ``like``."""
     for name, x in others.items():
         if x is not None and (
-            x.shape != residual.shape or x.dtype != residual.dtype
-            or x.device != residual.device
-        ):  # fmt: skip
+            x.shape != first.shape or x.dtype != first.dtype or x.device != first.device
+        ):
             raise ValueError(
-                f"Expect `{name}` like `residual` ({residual.dtype}, "
-                f"{tuple(residual.shape)}, {residual.device}), got {x.dtype}, "
-                f"{tuple(x.shape)}, {x.device}."
+                f"Expect `{name}` like `{like}` ({first.dtype}, {tuple(first.shape)}, "
+                f"{first.device}), got {x.dtype}, {tuple(x.shape)}, {x.device}."
             )
 
 

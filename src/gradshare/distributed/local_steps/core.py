@@ -371,7 +371,8 @@ def _build_rounds(ls: LocalSteps) -> tuple[list[Fragment], Buffers, Overlap | No
     whole = [not ls.dense and sends_whole(ls._algorithm(), p.numel()) for p in ls.params]
     fragments, flat = build_fragments(
         ls._schedule.spans, ls.names, ls.params, ls.global_params, ls.encoders, whole,
-        home=ls.home, keep_delta=ls.dense or bool(ls.overlap), overlap=bool(ls.overlap),
+        home=ls.home, keep_delta=ls.dense or ls.overlap == ls.sync_every,
+        overlap=bool(ls.overlap), send_in_pass=not ls.dense and 0 < ls.overlap < ls.sync_every,
         compact=ls.compact,
     )  # fmt: skip
     if not ls.overlap:

@@ -38,17 +38,23 @@ class Buffers:
     mean: torch.Tensor
     """The model's mean outer gradient (a round's, until its outer step)."""
     delta: torch.Tensor | None
-    """Δ of the round, kept for dense syncs (their message) and for ``overlap`` (a failed
-    round takes it again); None for encoded syncs without overlap (Δ goes into the residuals
-    in the pass that computes it)."""
+    """Δ of the round, kept for dense syncs (their message) and for the lead (a failed round
+    takes it again); None for other encoded syncs (Δ goes into the residuals in the pass
+    that computes it)."""
     backup: torch.Tensor | None
     """The residuals of the fragment being synced as they were before its Δ was added,
     while its round may still fail (one fragment's size: one round at a time); None for
     dense syncs."""
     base: torch.Tensor | None
-    """With ``overlap``: for the fragment whose round is in flight (or whose mean waits for
-    its merge), this replica's parameters at its send; elsewhere the next round's start less
-    the global copy (the carry). None without overlap."""
+    """With ``overlap``: the next round's start less the global copy (the carry); with the
+    lead (τ = ``sync_every``) or dense syncs, for the fragment whose round is in flight (or
+    whose mean waits for its merge), this replica's parameters at its send instead. None
+    without overlap."""
+    sent: torch.Tensor | None = None
+    """With encoded syncs and τ < ``sync_every``: for the fragment whose round is in flight
+    (or whose mean waits for its merge), this replica's parameters at its send, written by
+    its Δ pass (where Δ itself was kept before: a failed round's carry is then still the
+    base). None otherwise."""
 
 
 class Fragment:
@@ -56,8 +62,8 @@ class Fragment:
 
     __slots__ = (
         "backups", "base", "bases", "before", "compact", "decayed", "delta", "deltas", "encoders",
-        "failure", "globals", "home", "mean", "means", "names", "params", "received", "sent",
-        "span", "swap", "whole",
+        "failure", "globals", "home", "mean", "means", "names", "params", "pieces", "received",
+        "sent", "sents", "span", "swap", "whole",
     )  # fmt: skip
 
     def __init__(
@@ -99,6 +105,8 @@ class Fragment:
         """Its part of the mean outer gradient (flat; :attr:`means` per parameter)."""
         self.delta = own(buffers.delta)
         self.base = own(buffers.base)
+        self.sent = own(buffers.sent)
+        self.sents: list[torch.Tensor | None] = cut(buffers.sent, True)
         self.means: list[torch.Tensor] = cut(buffers.mean, True)
         self.deltas: list[torch.Tensor | None] = cut(buffers.delta, True)
         self.backups: list[torch.Tensor | None] = cut(buffers.backup, False)  # one at a time
@@ -113,7 +121,7 @@ class Fragment:
         """Residuals the round in progress has decayed (:meth:`restore_residuals`)."""
         self.before: list[dict[str, Any]] = []
         """Every encoder's state from before the round in progress."""
-        self.sent: list[tuple[torch.Tensor | None, float]] = []
+        self.pieces: list[tuple[torch.Tensor | None, float]] = []
         """The round's pieces so far, with their thresholds (:meth:`message`)."""
         self.failure: Exception | None = None
         """Why the round's encoding failed, or None."""
@@ -153,7 +161,7 @@ class Fragment:
         """
         self.decayed = 0
         self.before = [enc.state_dict(residual=False) for enc in self.encoders]
-        self.sent, self.failure = [], None
+        self.pieces, self.failure = [], None
         try:
             for j, (g, p) in enumerate(zip(self.globals, self.params, strict=True)):
                 local = p.detach().to(self.home, torch.float32).reshape(-1)
@@ -200,16 +208,16 @@ class Fragment:
             first, stride = sample_span(local.numel(), k, round)
             m = torch.empty(len(range(first, local.numel(), stride)), device=self.home)
             sample = (m, first, stride)
-        d = self.deltas[j]
+        d, sent = self.deltas[j], self.sents[j]  # Δ kept, or the send point noted
         if not self.swap:
             bad = codec.decay_add_(
-                enc.residual, decay, keep, start, local, plus=plus, out=d, sample=sample
+                enc.residual, decay, keep, start, local, plus=plus, out=d, sample=sample, copy=sent
             )
             self.decayed += 1
             return bad, m
         try:
             bad = codec.decay_into_(
-                enc.residual, decay, keep, start, local, plus=plus, out=d, sample=sample
+                enc.residual, decay, keep, start, local, plus=plus, out=d, sample=sample, copy=sent
             )
         finally:  # the old residual becomes the backup, also should the kernel have raised
             enc.residual, self.backups[j] = keep, enc.residual
@@ -229,7 +237,7 @@ class Fragment:
             if self.compact and message is not None:
                 message = codec.compact_message(message)
             assert enc.last_stats is not None
-            self.sent.append((message, enc.last_stats.threshold))
+            self.pieces.append((message, enc.last_stats.threshold))
         except Exception as e:
             self.failure = e
 
@@ -258,14 +266,14 @@ class Fragment:
                 for name, enc in zip(self.names, self.encoders, strict=True):
                     unsent.count(name, enc.last_stats)
                 mine = multipart.join_messages(
-                    [m for m, _ in self.sent],
+                    [m for m, _ in self.pieces],
                     [p.numel() for p in self.params],
-                    [t for _, t in self.sent],
+                    [t for _, t in self.pieces],
                     self.home,
                 )
             except Exception as e:
                 failure = e
-        self.sent = []
+        self.pieces = []
         return mine, failure, self.before
 
     def put_back(self, before: list[dict[str, Any]]) -> None:
@@ -360,22 +368,46 @@ class Fragment:
     # ------------------------------------------------------------------ overlap's carry
 
     def note_send_point(self) -> None:
-        """The base holds where this round is sent from: the replica now."""
+        """The round is sent from the replica now: its Δ pass noted it (:attr:`sents`), or
+        the base takes it."""
+        if self.sent is not None:
+            return
         for p, b in zip(self.params, self.bases, strict=True):
             assert b is not None
             b.copy_(p.detach().reshape(-1))
 
-    def keep_carry(self) -> None:
-        """At the merge: what the replica moved since the send becomes its carry (the base:
-        sent-from - now), which the next Δ includes."""
-        for p, b in zip(self.params, self.bases, strict=True):
-            assert b is not None
-            b.sub_(p.detach().reshape(-1).to(self.home))
+    def merge(self, step: Any) -> None:
+        """τ < ``sync_every``, τ steps after this fragment's sync (its round received):
+        ``step(self)`` takes the outer step, then in one pass the carry (what the replica
+        moved since the send: sent-from - now, the next Δ includes it) goes into the base and
+        the model takes the global copy. Should the step fail, the carry is kept alone."""
+        try:
+            step(self)
+        except BaseException:
+            self._keep_carry(take=False)
+            raise
+        self._keep_carry(take=True)
+
+    def _keep_carry(self, take: bool) -> None:
+        """base = sent-from - replica (and with ``take`` the replica = global copy), one pass
+        where the replica is float32 on this fragment's device."""
+        sent = self.sents if self.sent is not None else self.bases
+        for p, g, b, s in zip(self.params, self.globals, self.bases, sent, strict=True):
+            assert b is not None and s is not None
+            local = p.detach().reshape(-1)
+            if local.dtype == torch.float32 and local.device == self.home:
+                codec.subtract_(s, local, b, then=g.reshape(-1) if take else None)
+                continue
+            torch.sub(s, local.to(self.home, torch.float32), out=b)
+            if take:
+                p.detach().copy_(g)
 
     def unsend(self) -> None:
         """The round's exchange failed: its Δ is taken again at the next sync, as without
-        overlap; the base goes back from the send point to the start the round was measured
-        from (less the global copy)."""
+        overlap: the base is the start the round was measured from, less the global copy
+        (kept as it was, where the Δ pass noted the send point elsewhere)."""
+        if self.sent is not None:
+            return
         for g, b, d in zip(self.globals, self.bases, self.deltas, strict=True):
             assert b is not None and d is not None
             b.add_(d).sub_(g.reshape(-1))
@@ -383,9 +415,10 @@ class Fragment:
     def merge_keeping_moves(self, step: Any) -> None:
         """Flush: ``step(self)`` takes the outer step; the model takes the global copy plus
         what this replica moved since the send, and the base is zeroed."""
-        for p, b in zip(self.params, self.bases, strict=True):
-            assert b is not None
-            torch.sub(p.detach().reshape(-1).to(self.home), b, out=b)  # moved since
+        sent = self.sents if self.sent is not None else self.bases
+        for p, b, s in zip(self.params, self.bases, sent, strict=True):
+            assert b is not None and s is not None
+            torch.sub(p.detach().reshape(-1).to(self.home), s, out=b)  # moved since
         step(self)
         for p, g, b in zip(self.params, self.globals, self.bases, strict=True):
             assert b is not None
@@ -395,7 +428,8 @@ class Fragment:
     def merge_with_lead(self, step: Any) -> None:
         """τ = ``sync_every``, at a sync whose Δ is taken: ``step(self)`` steps the global
         copy with the last round's mean, and the next round starts from it one outer step
-        ahead (the lead: that step again, standing in for the round now launched)."""
+        ahead (the lead: that step again, standing in for the round now launched), the
+        round now launched sent from there (the base, in the same pass)."""
         for g, b in zip(self.globals, self.bases, strict=True):
             assert b is not None
             b.copy_(g.reshape(-1))
@@ -403,13 +437,30 @@ class Fragment:
         for g, b, p in zip(self.globals, self.bases, self.params, strict=True):
             assert b is not None
             torch.sub(g.reshape(-1), b, out=b)  # the lead: this merge's outer step
-            p.detach().copy_(torch.add(g, b.view_as(g)).to(g.dtype))
+            if p.dtype == g.dtype == torch.float32 and p.device == b.device:
+                p.detach().copy_(torch.add(g.reshape(-1), b, out=b).view_as(p))
+            else:
+                p.detach().copy_(torch.add(g, b.view_as(g)).to(g.dtype))
+                b.copy_(p.detach().reshape(-1))
 
     def give_back_carry(self) -> None:
         """Flush, nothing in flight here: the carry (or lead) back into the model."""
         for p, b in zip(self.params, self.bases, strict=True):
             assert b is not None
             p.detach().sub_(b.view_as(p).to(p.device, p.dtype))
+
+    def base_state(self, flight: bool) -> torch.Tensor:
+        """Its part of the base as a state records it: where its round was sent from while
+        one is in flight (``flight``) or waits, else the carry."""
+        part = self.sent if flight and self.sent is not None else self.base
+        assert part is not None  # overlap's
+        return part
+
+    def load_base(self, base: torch.Tensor, flight: bool) -> None:
+        """Its part of a loaded state's base (:meth:`base_state`)."""
+        target = self.sent if flight and self.sent is not None else self.base
+        assert target is not None
+        target.copy_(base)
 
 
 def _fits(lr: float | None, dtype: torch.dtype) -> bool:
@@ -428,10 +479,12 @@ def build_fragments(
     home: torch.device,
     keep_delta: bool,
     overlap: bool,
+    send_in_pass: bool,
     compact: bool,
 ) -> tuple[list[Fragment], Buffers]:
     """The flat buffers for ``params`` (float32, on ``home``) and one :class:`Fragment` per
-    span, its views cut once."""
+    span, its views cut once; ``send_in_pass``: the Δ pass notes the send point
+    (:attr:`Buffers.sent`)."""
     f32 = torch.float32
     numel = sum(p.numel() for p in params)
     largest = max(s.numel for s in spans)
@@ -440,6 +493,7 @@ def build_fragments(
         delta=torch.zeros(numel, dtype=f32, device=home) if keep_delta else None,
         backup=torch.empty(largest, dtype=f32, device=home) if encoders else None,
         base=torch.zeros(numel, dtype=f32, device=home) if overlap else None,
+        sent=torch.zeros(numel, dtype=f32, device=home) if send_in_pass else None,
     )
     fragments = [
         Fragment(
