@@ -243,7 +243,7 @@ class LocalSteps:
             self._receive()  # the last round's exchange ends before this thread's collectives
         received = self._overlap is not None and self._overlap.received
         self.bytes_sent += self._protocol.begin(frag, self.syncs, self.decay, received)
-        job, before = self._protocol.mean_job(frag, self.syncs, self._unsent, self._overlap is None)
+        job, before = self._protocol.mean_job(frag, self.syncs, self._unsent, self.outer)
         if self._overlap is not None:
             self._overlap.launch(frag, job, before, self._unsync)
             self.syncs += 1

@@ -284,10 +284,22 @@ class Fragment:
 
     # ------------------------------------------------------------------ the step
 
+    def steps_pieces(self, outer: torch.optim.Optimizer) -> bool:
+        """Whether ``outer``'s step takes the round's pieces as they are (:meth:`outer_step`):
+        the exchange then holds them here (:meth:`hold`) rather than decoding the mean."""
+        lrs = plain_sgd(outer) if self.home.type == "cpu" else None
+        return lrs is not None and all(_fits(lrs.get(id(g)), g.dtype) for g in self.globals)
+
     def hold(self, pieces: Pieces, divisor: int) -> None:
         """Keep the round's validated pieces (and the ``divisor`` of their sum) for the outer
         step, which decodes them as it needs (:meth:`outer_step`)."""
         self.received = (pieces, divisor)
+
+    def settle_mean(self) -> None:
+        """The mean of held pieces decoded into the mean buffer (a state saves it there)."""
+        if self.received is not None:
+            self.decode(*self.received)
+            self.received = None
 
     def decode(self, pieces: Pieces, divisor: int) -> None:
         """The mean of the round's validated pieces into this fragment's part of the mean."""
@@ -305,9 +317,9 @@ class Fragment:
                 names the round and the optimizer).
         """
         received, self.received = self.received, None
-        lrs = None if received is None or self.home.type != "cpu" else plain_sgd(outer)
-        if lrs is not None and all(_fits(lrs.get(id(g)), g.dtype) for g in self.globals):
-            assert received is not None
+        if received is not None and self.steps_pieces(outer):
+            lrs = plain_sgd(outer)
+            assert lrs is not None
             failure = self._plain_step(received[0], received[1], lrs)
             took_step(outer)
         else:

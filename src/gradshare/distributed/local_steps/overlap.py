@@ -223,6 +223,8 @@ class Overlap:
         self.round.drop()
         self.round.received = pending
         self.flight = fragment if pending else None
+        for f in self.fragments:
+            f.received = None  # a held round's pieces: the loaded mean is in the mean buffer
         self.base.zero_()
         if base is not None:
             for i, f in enumerate(self.fragments):

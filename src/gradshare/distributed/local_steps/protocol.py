@@ -112,16 +112,17 @@ class Protocol:
             raise
 
     def mean_job(
-        self, fragment: Fragment, round: int, unsent: Unsent, hold: bool
+        self, fragment: Fragment, round: int, unsent: Unsent, outer: torch.optim.Optimizer
     ) -> tuple[Callable[[], int], list[dict[str, Any]]]:
         """The round's exchange, to run now or in the background (it returns the bytes this
-        rank sent, and leaves the mean in the fragment's part of the mean buffer, or with
-        ``hold`` the validated pieces with the fragment for its outer step:
+        rank sent, and leaves the mean in the fragment's part of the mean buffer, or the
+        validated pieces with the fragment where its outer step decodes them itself:
         :meth:`Fragment.hold`), and every encoder's state from before the round. An encode
         that failed tells the other ranks now and raises, every encoder put back."""
         group = self.private.get()
         if not fragment.encoders:
             return (lambda: self.dense_mean(group, fragment)), []
+        hold = fragment.steps_pieces(outer)
         mine, failure, before = fragment.message(unsent)
         if failure is not None:  # nothing is in flight: the others hear of it now
             undone_on_error(

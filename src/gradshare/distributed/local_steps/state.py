@@ -108,6 +108,8 @@ def state_dict(ls: LocalSteps) -> dict[str, Any]:
     if ls._overlap is not None:
         ls._receive()
         if ls._overlap.received:
+            assert ls._overlap.flight is not None  # a round received is a fragment's
+            ls._fragments[ls._overlap.flight].settle_mean()
             pending = ls._flat.mean.clone()
     base = None if ls._overlap is None else ls._overlap.base_state()
     return {
