@@ -209,14 +209,16 @@ def compact_entries(entries: torch.Tensor, payload: torch.Tensor, limit: int) ->
     return _torch_paths.compact_entries(entries, payload, limit)
 
 
-def expand_entries(data: torch.Tensor, k: int, numel: int) -> torch.Tensor | str:
-    """The K signed 1-based int32 entries that the compact bytes ``data`` hold, or the fault
-    (the torch path names it)."""
-    if _enabled and data.is_cpu:
-        out = torch.empty(k, dtype=torch.int32)
-        if kernels().expand_entries(data.numpy(), out.numpy(), numel) == 0:
-            return out
-    return _torch_paths.expand_entries(data, k, numel)
+def expand_entries(data: torch.Tensor, k: int, numel: int, out: torch.Tensor) -> str | None:
+    """Write the K signed 1-based int32 entries that the compact bytes ``data`` hold into
+    ``out``; None, or the fault (the torch path names it)."""
+    if _enabled and data.is_cpu and kernels().expand_entries(data.numpy(), out.numpy(), numel) == 0:
+        return None
+    entries = _torch_paths.expand_entries(data, k, numel)
+    if isinstance(entries, str):
+        return entries
+    out.copy_(entries)
+    return None
 
 
 def decode_small(message: Any, target: torch.Tensor) -> bool:
@@ -259,6 +261,32 @@ def apply_bitmap_(words: torch.Tensor, t: float, target: torch.Tensor) -> None:
     _torch_paths.apply_bitmap_(words, t, target)
 
 
+def _packed(
+    present: Sequence[tuple[torch.Tensor, int, float]], dtype: Any, divisor: float
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, Any, bool]:
+    """The messages back to back for a kernel: (words, starts, lengths, t of each in
+    ``dtype``, the divisor in ``dtype``, whether it is a power of two). A power of two whose
+    inverse scales every t without underflow is folded into the ts (the same rounding, and
+    no divide pass): the divisor is then 1."""
+    if len(present) == 1:
+        m = present[0][0]
+        flat, starts, lengths = m.numpy(), _ZERO_START, np.array([m.numel()], np.int64)
+    else:
+        lengths = np.array([m.numel() for m, _, _ in present], np.int64)
+        starts = np.zeros(len(present), np.int64)
+        np.cumsum(lengths[:-1], out=starts[1:])
+        flat = torch.cat([m for m, _, _ in present]).numpy() if present else NO_WORDS
+    ts = np.array([t for _, _, t in present], dtype)
+    exact = math.frexp(divisor)[0] == 0.5  # a power of two: 1/divisor is exact
+    if exact and (ts.size == 0 or ts.min() / divisor >= _TINY[dtype.type]):
+        ts, divisor = ts / dtype.type(divisor), 1
+    return flat, starts, lengths, ts, dtype.type(divisor), exact
+
+
+_ZERO_START = np.zeros(1, np.int64)
+_TINY = {np.float32: np.finfo(np.float32).tiny, np.float64: np.finfo(np.float64).tiny}
+
+
 def sum_(
     present: Sequence[tuple[torch.Tensor, int, float]],
     target: torch.Tensor,
@@ -270,33 +298,24 @@ def sum_(
     if not on_kernels(target) or any(f == DENSE_ENCODING for _, f, _ in present):
         _torch_paths.sum_(present, target, scratch, divisor)  # dense pieces: small vectors
         return
-    lengths = np.array([m.numel() for m, _, _ in present], np.int64)
-    starts = np.zeros(len(present), np.int64)
-    np.cumsum(lengths[:-1], out=starts[1:])
-    if len(present) == 1:
-        flat = present[0][0].numpy()
-    else:
-        flat = torch.cat([m for m, _, _ in present]).numpy() if present else NO_WORDS
-    dtype = array(target).dtype
-    ts = np.array([t for _, _, t in present], dtype)
-    exact = math.frexp(divisor)[0] == 0.5  # a power of two: 1/divisor is exact
-    if exact and (ts.size == 0 or ts.min() / divisor >= np.finfo(dtype).tiny):
-        ts, divisor = ts / dtype.type(divisor), 1  # the same rounding, and no divide pass
+    t = array(target)
+    flat, starts, lengths, ts, div, exact = _packed(present, t.dtype, divisor)
     sparse = all(f == FLEXIBLE_ENCODING for _, f, _ in present)
+    fmts = np.array([f for _, f, _ in present], np.int64)
     launch(
         "decode_sum",
-        array(target),
+        t,
         flat,
         starts,
         lengths,
-        np.array([f for _, f, _ in present], np.int64),
+        fmts,
         ts,
-        dtype.type(divisor),
+        div,
         exact,
         scratch is not None,
-        array(target if scratch is None else scratch),
-        small=scratch is not None and sparse and flat.size < SMALL,  # O(entries) work
-    )
+        t if scratch is None else array(scratch),
+        small=scratch is not None and sparse and flat.size < SMALL,
+    )  # O(entries) work
 
 
 def step_sum_(
@@ -318,20 +337,8 @@ def step_sum_(
         return count_nonfinite(params)
     if not present or params.numel() == 0:
         return 0
-    lengths = np.array([m.numel() for m, _, _ in present], np.int64)
-    starts = np.zeros(len(present), np.int64)
-    np.cumsum(lengths[:-1], out=starts[1:])
-    flat = (
-        present[0][0].numpy()
-        if len(present) == 1
-        else (torch.cat([m for m, _, _ in present]).numpy())
-    )
-    dtype = array(scratch).dtype
-    ts = np.array([t for _, _, t in present], dtype)
-    exact = math.frexp(divisor)[0] == 0.5  # a power of two: 1/divisor is exact
-    if exact and ts.min() / divisor >= np.finfo(dtype).tiny:
-        ts, divisor = ts / dtype.type(divisor), 1  # the same rounding, as in sum_
     p = array(params)
+    flat, starts, lengths, ts, div, exact = _packed(present, array(scratch).dtype, divisor)
     bad = np.zeros(kernels().num_chunks(params.numel()), np.int64)
     launch(
         "step_sum",
@@ -340,11 +347,11 @@ def step_sum_(
         starts,
         lengths,
         ts,
-        dtype.type(divisor),
+        div,
         exact,
         p.dtype.type(-lr),
         p.dtype.type(-0.0),
         bad,
-        small=int(lengths.sum()) < SMALL,
-    )
+        small=flat.size < SMALL,
+    )  # O(entries) work
     return int(bad.sum())

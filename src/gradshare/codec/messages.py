@@ -774,7 +774,7 @@ def _present(
             continue
         name = f"position {i}" if names is None else names[i]
         if checked:  # made here, in memory of its own, for a vector of this length: confirm N
-            _, n, bits, fmt = m[:HEADER_WORDS].tolist()
+            _, n, bits, fmt = read_words(m, HEADER_WORDS)
             if n != numel:
                 raise MessageError(
                     f"Message from {name} encodes N = {n} elements, but the target has "
