@@ -17,23 +17,26 @@ parameters, the sync hook runs). After one untimed round, ``--rounds`` rounds ar
 phase is a method of LocalSteps' parts (private, so this bench follows their names in each
 layout, :data:`PHASES`), timed around its calls and given in ms per round of 10 steps:
 
-* ``delta``: Δ = global copy (+ carry) - replica into the residuals, with its finiteness count
-  (and, where the encode's threshold is sampled before it, the count of what crosses it);
-* ``encode``: each parameter's encode (and, with ``compact``, its compact form);
+* ``delta+encode``: Δ = global copy (+ carry) - replica into the residuals, with its
+  finiteness count, and each parameter's encode (and, with ``compact``, its compact form):
+  since the encode follows each parameter's Δ at once (97dcbbb), one method;
 * ``exchange+decode``: the exchange (here with itself) and the decode of every message into
-  the mean (on the exchange's thread with overlap);
-* ``outer+take``: the outer step on the global copy and the replica taking it;
-* ``merge``: with overlap, the merge τ steps after each sync (the carry, the outer step and
+  the mean (on the exchange's thread with overlap); where the outer step takes the pieces as
+  they are (plain SGD, e1a05e4), the exchange alone;
+* ``outer+take``: the outer step on the global copy (with the decode of the pieces it takes,
+  or plain SGD's step on their elements) and the replica taking it, wherever they run (the
+  merge's too);
+* ``merge``: with overlap, the merge τ steps after each sync (the outer step, the carry and
   the take; the lead with τ = ``sync_every``);
 * ``sync``: the whole of each sync call (with overlap: up to the launch of the exchange);
 * ``round``: everything the inner steps' hook ran in the round (syncs, merges, waits).
 
 In the same process it times ``copy_`` of the model's parameters into tensors like them, the
-same tensors every round (the median of 3 per round), and gives every phase as a multiple of
-that copy: "copies per round". The VM's speed drifts 10-20 % within minutes, so the
-revisions' processes alternate (every setting of every revision, then again, ``--repeats``
-times) and the table gives each figure's median over the repeats; the machine's load average
-is kept with each process.
+same tensors every round (3 before the sync's step, where no exchange runs beside them; their
+median), and gives every phase as a multiple of that copy: "copies per round". The VM's
+speed drifts 10-20 % within minutes, so the revisions' processes alternate (every setting of
+every revision, then again, ``--repeats`` times) and the table gives each figure's median over
+the repeats; the machine's load average is kept with each process.
 """
 
 from __future__ import annotations
@@ -70,20 +73,38 @@ SETTINGS = {
 """LocalSteps' keywords per setting (``compact`` given: it became the default in 9389794)."""
 
 PHASES = {
-    "delta": ["Fragment.pseudo_gradient_", "LocalSteps._compute_delta"],
-    "encode": ["Fragment.encode", "LocalSteps._encode"],
-    "exchange+decode": ["Protocol.encoded_mean", "Protocol.dense_mean",
-                        "LocalSteps._encoded_mean", "LocalSteps._dense_mean"],
-    "outer+take": ["Fragment.outer_step", "Fragment.take_global", "Fragment.step_and_take",
-                   "LocalSteps._outer_step", "LocalSteps._take_global"],
-    "merge": ["Overlap.merge", "Overlap.merge_with_lead", "LocalSteps._merge_due",
-              "LocalSteps._merge_with_lead"],
+    "delta+encode": [
+        "Fragment.pseudo_gradient_",
+        "Fragment.encode",
+        "Fragment.message",
+        "LocalSteps._compute_delta",
+        "LocalSteps._encode",
+    ],
+    "exchange+decode": [
+        "Protocol.encoded_mean",
+        "Protocol.dense_mean",
+        "LocalSteps._encoded_mean",
+        "LocalSteps._dense_mean",
+    ],
+    "outer+take": [
+        "Fragment.outer_step",
+        "Fragment.take_global",
+        "LocalSteps._outer_step",
+        "LocalSteps._take_global",
+    ],
+    "merge": [
+        "Overlap.merge",
+        "Overlap.merge_with_lead",
+        "LocalSteps._merge_due",
+        "LocalSteps._merge_with_lead",
+    ],
     "sync": ["LocalSteps._sync"],
     "round": ["LocalSteps._tick"],
-}  # fmt: skip
+}
 """Per phase, the methods it times, in every layout of LocalSteps (those a revision lacks are
-skipped): the package of 9389794 (Fragment, Protocol, Overlap, LocalSteps) and the one module
-of 3f017b9 (LocalSteps alone)."""
+skipped): the package since 9389794 (Fragment, Protocol, Overlap, LocalSteps) and the one
+module of 3f017b9 (LocalSteps alone). The methods of a phase run one after the other, never
+one inside another, so their times add up."""
 MODULES = [
     "gradshare.distributed.local_steps.core",
     "gradshare.distributed.local_steps.fragment",
@@ -151,15 +172,16 @@ def measure(setting: str, rounds: int) -> dict[str, object]:
         if r == 1:
             spent.update(dict.fromkeys(PHASES, 0.0))  # the first round is not timed
             copy_ms.clear()
-        for _ in range(3):
-            start = time.perf_counter()
-            for c, p in zip(copies, params, strict=True):
-                c.copy_(p)
-            copy_ms.append(1e3 * (time.perf_counter() - start))
         with torch.no_grad():
             for p in params:
                 p.add_(torch.randn(p.shape, generator=noise), alpha=1e-3)
-        for _ in range(10):
+        for i in range(10):
+            if i == 9:  # the copies: where no exchange runs beside them (with overlap, the
+                for _ in range(3):  # round in flight ended long ago)
+                    start = time.perf_counter()
+                    for c, p in zip(copies, params, strict=True):
+                        c.copy_(p)
+                    copy_ms.append(1e3 * (time.perf_counter() - start))
             opt.step()
     sync.close()
     dist.destroy_process_group()
