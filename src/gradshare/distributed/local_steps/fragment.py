@@ -2,9 +2,10 @@
 
 A :class:`Fragment` is built once, with the views it works on cut once (torchft's
 ``_StreamingDiLoCoFragment`` is the model): its parameters, their global copy and encoders,
-and its part of Δ, of the mean, of the residuals' backup and of the base. Its methods are the
-steps of one round on them (the pseudo-gradient into the residuals, the encode, the outer step,
-the model taking the global copy, the carry of an overlapped round); the collectives are
+and its part of Δ (or of the send point), of the mean, of the residuals' backup and of the base.
+Its methods are the steps of one round on them (the pseudo-gradient into the residuals and the
+encode, the outer step, the model taking the global copy, the carry of an overlapped round),
+each in as few passes over the model as it can; the collectives are
 :mod:`.protocol`'s and the order of events :class:`~gradshare.LocalSteps`' and :mod:`.overlap`'s.
 """
 
