@@ -10,8 +10,9 @@ from gradshare import codec
 
 def run_steps() -> list[torch.Tensor]:
     """Messages, residuals and sums of sparse, bounded, bitmap and mean-magnitude encodes,
-    decodes small and large, fused sums, validation, take_update_, subtract_, decay_add_,
-    find_nonfinite, and the compact form there and back."""
+    decodes small and large, fused sums, validation, take_update_, subtract_, decay_add_
+    and decay_into_ in the forms LocalSteps calls, step_sum_, find_nonfinite, and the compact
+    form there and back."""
     out: list[torch.Tensor] = []
     for dtype in (torch.float32, torch.float64):
         g = torch.Generator().manual_seed(0)
@@ -47,6 +48,48 @@ def run_steps() -> list[torch.Tensor]:
         decayed = x.clone()
         codec.decay_add_(decayed, 0.95, kept, x + 1, x * 0.5, plus=x * 3, out=delta.clone())
         out += [delta, kept, decayed]
+        # the forms LocalSteps calls: no overlap, τ < H (carry, send point), the lead (Δ kept)
+        for plus, delta_out, copy in (
+            (None, None, None),
+            (x * 3, None, torch.empty_like(x)),
+            (x * 3, torch.empty_like(x), None),
+        ):
+            into, sampled = (
+                torch.empty_like(x),
+                torch.empty(len(range(5, x.numel(), 64)), dtype=dtype),
+            )
+            codec.decay_into_(
+                x,
+                0.95,
+                into,
+                x + 1,
+                x * 0.5,
+                plus=plus,
+                out=delta_out,
+                sample=(sampled, 5, 64),
+                copy=copy,
+            )
+            out += [into, sampled] + ([] if copy is None else [copy])
+        for plus, copy in ((None, None), (x * 3, torch.empty_like(x))):  # fragments
+            codec.decay_add_(
+                decayed,
+                0.95,
+                kept,
+                x + 1,
+                x * 0.5,
+                plus=plus,
+                copy=copy,
+                sample=(torch.empty(x.numel(), dtype=dtype), 0, 1),
+            )
+        carried, local = x.clone(), x * 0.5
+        codec.subtract_(carried, local, carried, then=x + 1)  # a merge's carry and take
+        out += [carried, local]
+        for sent, world in ((messages[:1], 1), ([messages[0], messages[3]], 3)):
+            stepped = x.clone()
+            codec.step_sum_(
+                sent, stepped, torch.zeros_like(x, dtype=torch.float32), lr=2.8, divisor=world
+            )
+            out.append(stepped)
         y = x.clone()
         y[[7, 70000]] = float("nan")
         small_form = codec.compact_message(messages[0])

@@ -650,6 +650,18 @@ class TestSubtract:
         big = torch.full((n,), 3e38)
         assert codec.subtract_(big, -big, torch.empty(n)) == n  # overflow to infinity
 
+    @pytest.mark.parametrize("kernels", [True, False], ids=["kernels", "torch"])
+    @pytest.mark.parametrize("n", [5, CHUNK * 3 + 7])
+    def test_then_and_out_as_before(self, kernels: bool, n: int) -> None:
+        """LocalSteps' carry at a merge: ``base -= local`` (``out`` is ``before``), and the
+        replica takes the global copy (``then``) in the same pass."""
+        g = torch.Generator().manual_seed(n)
+        base, local, glob = (torch.randn(n, generator=g) * 10**-i for i in range(3))
+        want, out = base - local, base.clone()
+        with codec.use_kernels(kernels):
+            assert codec.subtract_(out, local, out, then=glob) == 0
+        assert torch.equal(bits(out), bits(want)) and torch.equal(local, glob)
+
     def test_mismatched_buffers_refused(self) -> None:
         with pytest.raises(ValueError, match="`plus` like `before`"):
             codec.subtract_(torch.zeros(4), torch.zeros(4), torch.zeros(4), plus=torch.zeros(5))
@@ -699,6 +711,134 @@ class TestDecayAdd:
             codec.decay_add_(x, 0.95, torch.zeros(5), x, x)
         with pytest.raises(ValueError, match="`out` like `residual`"):
             codec.decay_add_(x, 0.95, x.clone(), x, x, out=torch.zeros(4, dtype=torch.float64))
+        assert torch.equal(x, torch.zeros(4))
+
+
+class TestDecayInto:
+    """``decay_into_`` and the sample of either: the new residual written beside the old one
+    (which stays as it was: the backup, swapped by the caller), and ``|new|`` at a threshold
+    algorithm's sample positions, in the same pass; the bits of torch's ops on both paths, in
+    a chunk's tail and across chunks."""
+
+    @pytest.mark.parametrize("kernels", [True, False], ids=["kernels", "torch"])
+    @pytest.mark.parametrize("n", [5, 17, CHUNK + 17, CHUNK * 3 + 7])
+    @pytest.mark.parametrize("carry", [False, True])
+    @pytest.mark.parametrize("span", [(0, 1), (3, 7), (41, 4096)])
+    def test_exact_as_torch_ops(
+        self, kernels: bool, n: int, carry: bool, span: tuple[int, int]
+    ) -> None:
+        g = torch.Generator().manual_seed(n)
+        start, local, extra, old = (torch.randn(n, generator=g) * 10**-i for i in range(4))
+        first, stride = span[0] % n, span[1]
+        r, into, d, sent = old.clone(), torch.full((n,), 5.0), torch.empty(n), torch.empty(n)
+        m = torch.empty(len(range(first, n, stride)))
+        with codec.use_kernels(kernels):
+            bad = codec.decay_into_(
+                r,
+                0.95,
+                into,
+                start,
+                local,
+                plus=extra if carry else None,
+                out=d,
+                sample=(m, first, stride),
+                copy=sent,
+            )
+        delta = ((start + extra) - local) if carry else (start - local)
+        new = old.mul(0.95).add_(delta)
+        assert bad == 0 and torch.equal(bits(r), bits(old)) and torch.equal(sent, local)
+        assert torch.equal(bits(into), bits(new)) and torch.equal(bits(d), bits(delta))
+        assert torch.equal(bits(m), bits(new[first::stride].abs()))
+
+    @pytest.mark.parametrize("kernels", [True, False], ids=["kernels", "torch"])
+    def test_sample_in_place_and_nonfinite(self, kernels: bool) -> None:
+        n = 2 * CHUNK + 3
+        start, local = torch.randn(n), torch.randn(n)
+        local[[9, n - 1]] = float("nan")
+        r, backup = torch.randn(n), torch.empty(n)
+        old = r.clone()
+        m = torch.empty(len(range(2, n, 5)))
+        with codec.use_kernels(kernels):
+            assert codec.decay_add_(r, 0.5, backup, start, local, sample=(m, 2, 5)) == 2
+        assert torch.equal(bits(backup), bits(old))
+        assert torch.equal(bits(m), bits(r[2::5].abs()))
+
+    def test_bad_arguments_refused(self) -> None:
+        x = torch.zeros(8)
+        with pytest.raises(ValueError, match="memory of its own"):
+            codec.decay_into_(x, 0.95, x[:8], x.clone(), x.clone())
+        with pytest.raises(ValueError, match="vector of 3 elements"):
+            codec.decay_into_(x, 0.95, x.clone(), x, x, sample=(torch.empty(2), 1, 3))
+        with pytest.raises(ValueError, match="`stride` >= 1"):
+            codec.decay_add_(x, 0.95, x.clone(), x, x, sample=(torch.empty(2), 0, 0))
+
+
+def _sgd_step(params: torch.Tensor, mean: torch.Tensor, lr: float) -> torch.Tensor:
+    """torch's own plain SGD step of ``params`` with ``mean`` as the gradient (a copy)."""
+    p = params.clone()
+    p.grad = mean.to(p.dtype)
+    torch.optim.SGD([p], lr=lr).step()
+    return p.detach()
+
+
+class TestStepSum:
+    """``step_sum_``: plain SGD with the mean of messages as its gradient, where the sparse
+    messages' elements alone are touched, gives torch's own step bit for bit (one fused
+    multiply-add per element, ``-0.0`` kept), on both paths, in tails and across chunks."""
+
+    @pytest.mark.parametrize("kernels", [True, False], ids=["kernels", "torch"])
+    @pytest.mark.parametrize("n", [5, 17, CHUNK + 17, CHUNK * 3 + 7])
+    @pytest.mark.parametrize("world", [1, 2, 3])
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+    def test_equals_torch_sgd(self, kernels: bool, n: int, world: int, dtype: torch.dtype) -> None:
+        g = torch.Generator().manual_seed(n + world)
+        messages = []
+        for r in range(world):
+            x = torch.randn(n, generator=g)
+            if r:  # some entries cancel: their mean is +0.0
+                x[: n // 3] = -messages[0][1][: n // 3]
+            t = float(x.abs().sort().values[-max(2, n // 25)])
+            messages.append((codec.encode_sparse_(x.clone(), t), x))
+        sent = [m for m, _ in messages]
+        params = (torch.randn(n, generator=g) * 0.1).to(dtype)
+        params[[0, n - 1]] = -0.0
+        mean = torch.zeros(n)
+        codec.decode_sum_(sent, mean, divisor=world)
+        for lr in (2.8, 1 / 3):
+            want = _sgd_step(params, mean, lr)
+            got, scratch = params.clone(), torch.zeros(n)
+            with codec.use_kernels(kernels):
+                bad = codec.step_sum_(sent, got, scratch, lr=lr, divisor=world)
+            assert bad == 0 and torch.equal(bits(got), bits(want))
+
+    @pytest.mark.parametrize("kernels", [True, False], ids=["kernels", "torch"])
+    def test_bitmap_pieces_and_overflow(self, kernels: bool) -> None:
+        """A bitmap (or dense) piece decodes the mean in full into ``scratch`` and steps every
+        element; values that overflow are counted."""
+        n = CHUNK + 100
+        x = torch.randn(n)
+        sent = [codec.encode_bitmap_(x.clone(), 0.5), codec.encode_sparse_(x.clone(), 2.0)]
+        params, mean = torch.randn(n), torch.zeros(n)
+        codec.decode_sum_(sent, mean, divisor=2)
+        got, scratch = params.clone(), torch.zeros(n)
+        with codec.use_kernels(kernels):
+            assert codec.step_sum_(sent, got, scratch, lr=1.4, divisor=2) == 0
+        assert torch.equal(bits(got), bits(_sgd_step(params, mean, 1.4)))
+        assert torch.equal(scratch, mean)
+        big = torch.full((n,), 3e38)
+        with codec.use_kernels(kernels):
+            stepped = codec.step_sum_(sent[1:], big, torch.zeros(n), lr=3e38, divisor=2)
+        assert stepped == int((big.abs() == float("inf")).sum()) > 0
+
+    def test_refuses_an_lr_torch_refuses_and_bad_messages(self) -> None:
+        x = torch.zeros(4)
+        with pytest.raises(ValueError, match=r"`lr` >= 0 and finite in torch\.float32"):
+            codec.step_sum_([], x, torch.zeros(4), lr=1e42)
+        bad = codec.encode_sparse_(torch.tensor([1.0, -1.0, 0.0, 1.0]), 0.5)
+        assert bad is not None
+        bad[-1] = 9
+        with pytest.raises(MessageError, match="outside"):
+            codec.step_sum_([bad], x, torch.zeros(4), lr=1.0)
         assert torch.equal(x, torch.zeros(4))
 
 

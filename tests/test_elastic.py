@@ -133,7 +133,9 @@ def test_a_rank_that_leaves_sends_its_whole_residual(lighthouse: str, tmp_path: 
     left = _done(tmp_path, 2)
     assert left["left"] and left["step"] == 30
     a, b, c = (_synced(tmp_path, i) for i in range(3))
-    assert a == b and c[30] == a[30]  # its last sync, alike on all three
+    later = {s: crc for s, crc in a.items() if s > 10}  # a late starter joins at step 10
+    assert set(later) == {20, 30, 40, 50} and {s: x for s, x in b.items() if s > 10} == later
+    assert c[30] == a[30]  # its last sync, alike on all three
     sent = torch.load(tmp_path / "replica2-leave.pt", weights_only=True)
     assert len(sent) == 4  # every parameter tensor of the toy model, whole
     for each in sent.values():  # the law: what it owed = what it sent + what it kept (0)

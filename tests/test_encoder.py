@@ -22,6 +22,8 @@ from gradshare import (
     optimal_buffer_size,
 )
 from gradshare.codec import BITMAP_ENCODING, FLEXIBLE_ENCODING
+from gradshare.encoding.encoder import sample_span
+from gradshare.encoding.threshold import _kth_largest
 
 
 class TestConservation:
@@ -211,6 +213,26 @@ class TestInput:
         with pytest.raises(ValueError, match="`update=None` encodes the residual as it is"):
             Encoder().encode(None, 0)
 
+    @pytest.mark.parametrize("n", [300, 200_000])
+    def test_magnitudes_sampled_by_the_caller(self, n: int) -> None:
+        """``encode(None, ..., magnitudes=...)`` with ``|residual|`` at :func:`sample_span`
+        (LocalSteps samples them in its Δ pass, ``decay_add_(sample=...)``) is ``encode(None,
+        ...)``: the same threshold, message and residual; with an update they are refused."""
+        g = torch.Generator().manual_seed(n)
+        own, told = Encoder(QuantileThreshold(0.02)), Encoder(QuantileThreshold(0.02))
+        for step in range(3):
+            u = torch.randn(n, generator=g)
+            for enc in (own, told):
+                enc.residual = u.clone() if enc.residual is None else enc.residual.add_(u)
+            start, stride = sample_span(n, told.algorithm.samples, step)
+            assert told.residual is not None
+            magnitudes = told.residual[start::stride].abs()
+            expected, got = own.encode(None, step), told.encode(None, step, magnitudes=magnitudes)
+            assert expected is not None and got is not None and torch.equal(got, expected)
+            assert torch.equal(told.residual, own.residual)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="`magnitudes` only with `update=None`"):
+            told.encode(torch.ones(n), 3, magnitudes=torch.ones(2))
+
     def test_bad_threshold_type(self) -> None:
         with pytest.raises(TypeError, match="FixedThreshold"):
             Encoder(1e-3)  # type: ignore[arg-type]
@@ -272,6 +294,19 @@ def test_import_starts_nothing() -> None:
 class TestQuantileThreshold:
     """t from a sample of |residual + update|: about `density` of the elements go out from the
     first step, at any scale, and the messages are ordinary DL4J messages."""
+
+    @pytest.mark.parametrize("n", [1, 7, 16_384])
+    def test_kth_largest_is_topks_least(self, n: int) -> None:
+        """numpy's partition on the CPU picks t as ``torch.topk`` did, ties and NaN (the
+        largest, so it makes t NaN once among the k largest) included."""
+        g = torch.Generator().manual_seed(n)
+        m = torch.randn(n, generator=g).abs().round(decimals=1)
+        for case in ("plain", "nan"):
+            if case == "nan":
+                m[n // 2] = float("nan")
+            for k in {1, max(1, n // 25), n}:
+                want, got = float(torch.topk(m, k, sorted=False).values.min()), _kth_largest(m, k)
+                assert got == want or (np.isnan(got) and np.isnan(want))
 
     @pytest.mark.parametrize("scale", [1e-6, 1.0, 1e4])
     def test_density_from_the_first_step(self, scale: float) -> None:

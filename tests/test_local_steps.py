@@ -128,6 +128,28 @@ def _rank_laws(rank: int, world: int) -> dict:
         model = toy_model(seed=0)
         with LocalSteps(model, make(model.parameters()), sync_every=2) as sync:
             out[f"outer {name}"] = (type(sync.outer).__name__, sync.outer.param_groups[0])
+    step_sum, calls = codec.step_sum_, []
+
+    def counted(*args: object, **kwargs: object) -> int:
+        calls.append(1)
+        return step_sum(*args, **kwargs)  # type: ignore[arg-type]
+
+    codec.step_sum_ = counted  # type: ignore[assignment]
+    for how in ("plain", "own"):  # plain SGD's step on the named elements, or SGD's own
+        model = mlp(10, 3, hidden=96, seed=rank)
+        inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        sync = LocalSteps(model, inner, sync_every=2)
+        if how == "own":  # a hook leaves the step to the optimizer
+            sync.outer.register_step_pre_hook(lambda *_: None)
+        _train(model, inner, batches)
+        out[f"outer step {how}"] = (
+            flat(model),
+            [g.clone() for g in sync.global_params],
+            len(calls),
+        )
+        calls.clear()
+        sync.close()
+    codec.step_sum_ = step_sum  # type: ignore[assignment]
     return out
 
 
@@ -205,6 +227,16 @@ class TestSyncLaws:
                 kind, group = r[f"outer {name}"]
                 assert (kind, group["lr"], group["momentum"]) == ("SGD", lr, 0), name
         assert (DEFAULT_OUTER_LR, DEFAULT_OUTER_LR_SGD) == (2.8, 1.4)
+
+    def test_plain_sgd_steps_as_its_own_step(self, results: list[dict]) -> None:
+        """Plain SGD's outer step taken on the elements the messages name alone (its mean is
+        +0.0 elsewhere) gives the bits of SGD's own step over the decoded mean, with three
+        ranks' messages summed and divided by 3."""
+        for r in results:
+            (plain, kept, steps), (own, want, none) = r["outer step plain"], r["outer step own"]
+            assert steps == 3 * len(kept) and none == 0
+            assert torch.equal(plain, own)
+            assert all(torch.equal(a, b) for a, b in zip(kept, want, strict=True))
 
     def test_dense_sync_is_the_mean_of_the_replicas(self, results: list[dict]) -> None:
         for k in range(2):
@@ -1273,12 +1305,13 @@ def _rank_cuda(rank: int, world: int, overlap: bool) -> torch.Tensor:
     return flat(model).cpu()
 
 
-def _rank_failed_exchange(rank: int, world: int, overlap: bool) -> bool:
+def _rank_failed_exchange(rank: int, world: int, overlap: bool | int) -> bool:
     """The exchange fails after this rank encoded (a peer lost mid-sync): every encoder is as
     it was before the sync (residual after the decay and the encoded Δ, threshold state), and
     the replica keeps its local move for the sync that follows. With overlap the exchange
     fails in the background, and the next flush (or sync) raises and puts the encoders back;
-    the next Δ, from the global copy plus the carry, is round 1's again."""
+    the next Δ, from the global copy plus the carry, is round 1's again (with τ = 1 the carry
+    itself is as it was, bit for bit: the Δ pass noted the send point elsewhere)."""
     import gradshare.distributed.exchange as module
 
     model = toy_model()
@@ -1296,9 +1329,10 @@ def _rank_failed_exchange(rank: int, world: int, overlap: bool) -> bool:
         locals_: list = []
         inner.register_step_post_hook(_recorder(model, locals_))  # before the sync's hook
         sync = LocalSteps(model, inner, sync_every=2, decay=0.9, timeout=10, overlap=overlap)
-        _train(model, inner, batches[:2])  # round 0 goes through: the residuals hold something
+        _train(model, inner, batches[:3])  # round 0 goes through: the residuals hold something
         before = [e.state_dict() for e in sync.encoders]
-        _train(model, inner, batches[2:4])  # round 1
+        carry = sync._flat.base.clone() if overlap else None  # τ = 1: merged at step 3
+        _train(model, inner, batches[3:4])  # round 1
         sync.flush()
     except ExchangeError:
         pass
@@ -1314,13 +1348,15 @@ def _rank_failed_exchange(rank: int, world: int, overlap: bool) -> bool:
         for a, b in zip(before, after, strict=True)
     )
     kept = True
-    if overlap:  # round 1 was sent from step 2's replica (sync 1 merged nothing) at step 4
+    if overlap is True:  # round 1 was sent from step 2's replica (sync 1 merged nothing) at step 4
         start = torch.cat([g.reshape(-1) for g in sync.global_params]) + sync._flat.base
         kept = torch.allclose(start - flat(model), locals_[1] - locals_[3], atol=1e-6)
+    elif overlap:
+        kept = torch.equal(sync._flat.base, carry)  # type: ignore[arg-type]
     return same and sync.syncs == 1 and kept
 
 
-@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("overlap", [False, True, 1])
 def test_a_failed_exchange_leaves_every_encoder_as_it_was(overlap: bool) -> None:
     assert spawn(_rank_failed_exchange, 1, overlap)[0].get()
 

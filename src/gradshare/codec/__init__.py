@@ -68,6 +68,9 @@ from gradshare.codec.messages import (
     decay_add_ as decay_add_,
 )
 from gradshare.codec.messages import (
+    decay_into_ as decay_into_,
+)
+from gradshare.codec.messages import (
     find_nonfinite as find_nonfinite,
 )
 from gradshare.codec.messages import (
@@ -81,6 +84,9 @@ from gradshare.codec.messages import (
 )
 from gradshare.codec.messages import (
     shares_memory as shares_memory,
+)
+from gradshare.codec.messages import (
+    step_sum_ as step_sum_,
 )
 from gradshare.codec.messages import (
     subtract_ as subtract_,
@@ -117,4 +123,4 @@ __all__ = [
 ]
 # Also here, for gradshare's own modules (not public API): Workspace, serial_kernels, the
 # check_* helpers, float32_threshold, shares_memory, find_nonfinite, nonfinite_error and its
-# NonFiniteUpdate, subtract_ and decay_add_ (LocalSteps' fused passes).
+# NonFiniteUpdate, subtract_, decay_add_, decay_into_ and step_sum_ (LocalSteps' fused passes).

@@ -128,6 +128,11 @@ def array(x: torch.Tensor) -> np.ndarray:
     return (x.detach() if x.requires_grad else x).numpy()
 
 
+def _maybe(x: torch.Tensor | None) -> np.ndarray | None:
+    """The numpy view of a CPU tensor, or None (a kernel compiled without that array)."""
+    return None if x is None else array(x)
+
+
 def scalar(t: float, x: torch.Tensor) -> Any:
     """t as a numpy scalar of ``x``'s type."""
     return np.float32(t) if x.dtype == torch.float32 else np.float64(t)
@@ -147,34 +152,38 @@ def count_nonfinite(x: torch.Tensor) -> int:
 
 def take_update_(
     before: torch.Tensor, after: torch.Tensor, out: torch.Tensor, restore: bool,
-    plus: torch.Tensor | None = None,
+    plus: torch.Tensor | None = None, source: torch.Tensor | None = None,
 ) -> int:  # fmt: skip
     """``out = (before + plus) - after`` (``before - after`` without ``plus``; then
-    ``after = before`` with ``restore``); non-finite count of ``out``."""
+    ``after = before`` with ``restore``, or ``after = source``); non-finite count of ``out``."""
+    if restore:
+        source = before
     if on_kernels(before) and before.numel():
         counts = np.zeros(kernels().num_chunks(before.numel()), np.int64)
-        b = array(before)
-        extra = b if plus is None else array(plus)
-        launch("take_update", b, extra, plus is not None, array(after), array(out), restore,
-               counts)  # fmt: skip
+        launch("take_update", array(before), _maybe(plus), array(after), array(out),
+               _maybe(source), counts)  # fmt: skip
         return int(counts.sum())
-    return _torch_paths.take_update_(before, after, out, restore, plus)
+    return _torch_paths.take_update_(before, after, out, plus, source)
 
 
 def decay_add_(
-    residual: torch.Tensor, factor: float, backup: torch.Tensor, before: torch.Tensor,
-    after: torch.Tensor, plus: torch.Tensor | None, out: torch.Tensor | None,
+    src: torch.Tensor, factor: float, dst: torch.Tensor, keep: torch.Tensor | None,
+    before: torch.Tensor, after: torch.Tensor, plus: torch.Tensor | None,
+    out: torch.Tensor | None, sample: tuple[torch.Tensor, int, int] | None = None,
+    copy: torch.Tensor | None = None,
 ) -> int:  # fmt: skip
-    """``backup = residual``, ``d = (before + plus) - after`` (into ``out`` if given) and
-    ``residual = residual * factor + d``; the non-finite count of the new residual."""
-    if on_kernels(residual) and residual.numel():
-        counts = np.zeros(kernels().num_chunks(residual.numel()), np.int64)
-        r, b = array(residual), array(before)
-        launch("decay_add", r, scalar(factor, residual), array(backup), b,
-               b if plus is None else array(plus), plus is not None, array(after),
-               r if out is None else array(out), out is not None, counts)  # fmt: skip
+    """``keep = src`` and ``copy = after`` (if given), ``d = (before + plus) - after`` (into
+    ``out`` if given) and ``dst = src * factor + d`` (``dst`` may be ``src``); ``sample = (m,
+    start, stride)``: ``m[i] = |dst[start + i * stride]|``. The non-finite count of ``dst``."""
+    if on_kernels(dst) and dst.numel():
+        counts = np.zeros(kernels().num_chunks(dst.numel()), np.int64)
+        d = array(dst)
+        m, start, stride = (d[:0], 0, 1) if sample is None else (array(sample[0]), *sample[1:])
+        launch("decay_add", array(src), scalar(factor, dst), d, _maybe(keep), array(before),
+               _maybe(plus), array(after), _maybe(out), _maybe(copy), m, start, stride,
+               counts)  # fmt: skip
         return int(counts.sum())
-    return _torch_paths.decay_add_(residual, factor, backup, before, after, plus, out)
+    return _torch_paths.decay_add_(src, factor, dst, keep, before, after, plus, out, sample, copy)
 
 
 # --------------------------------------------------------------------------- decode
@@ -200,14 +209,16 @@ def compact_entries(entries: torch.Tensor, payload: torch.Tensor, limit: int) ->
     return _torch_paths.compact_entries(entries, payload, limit)
 
 
-def expand_entries(data: torch.Tensor, k: int, numel: int) -> torch.Tensor | str:
-    """The K signed 1-based int32 entries that the compact bytes ``data`` hold, or the fault
-    (the torch path names it)."""
-    if _enabled and data.is_cpu:
-        out = torch.empty(k, dtype=torch.int32)
-        if kernels().expand_entries(data.numpy(), out.numpy(), numel) == 0:
-            return out
-    return _torch_paths.expand_entries(data, k, numel)
+def expand_entries(data: torch.Tensor, k: int, numel: int, out: torch.Tensor) -> str | None:
+    """Write the K signed 1-based int32 entries that the compact bytes ``data`` hold into
+    ``out``; None, or the fault (the torch path names it)."""
+    if _enabled and data.is_cpu and kernels().expand_entries(data.numpy(), out.numpy(), numel) == 0:
+        return None
+    entries = _torch_paths.expand_entries(data, k, numel)
+    if isinstance(entries, str):
+        return entries
+    out.copy_(entries)
+    return None
 
 
 def decode_small(message: Any, target: torch.Tensor) -> bool:
@@ -250,6 +261,32 @@ def apply_bitmap_(words: torch.Tensor, t: float, target: torch.Tensor) -> None:
     _torch_paths.apply_bitmap_(words, t, target)
 
 
+def _packed(
+    present: Sequence[tuple[torch.Tensor, int, float]], dtype: Any, divisor: float
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, Any, bool]:
+    """The messages back to back for a kernel: (words, starts, lengths, t of each in
+    ``dtype``, the divisor in ``dtype``, whether it is a power of two). A power of two whose
+    inverse scales every t without underflow is folded into the ts (the same rounding, and
+    no divide pass): the divisor is then 1."""
+    if len(present) == 1:
+        m = present[0][0]
+        flat, starts, lengths = m.numpy(), _ZERO_START, np.array([m.numel()], np.int64)
+    else:
+        lengths = np.array([m.numel() for m, _, _ in present], np.int64)
+        starts = np.zeros(len(present), np.int64)
+        np.cumsum(lengths[:-1], out=starts[1:])
+        flat = torch.cat([m for m, _, _ in present]).numpy() if present else NO_WORDS
+    ts = np.array([t for _, _, t in present], dtype)
+    exact = math.frexp(divisor)[0] == 0.5  # a power of two: 1/divisor is exact
+    if exact and (ts.size == 0 or ts.min() / divisor >= _TINY[dtype.type]):
+        ts, divisor = ts / dtype.type(divisor), 1
+    return flat, starts, lengths, ts, dtype.type(divisor), exact
+
+
+_ZERO_START = np.zeros(1, np.int64)
+_TINY = {np.float32: np.finfo(np.float32).tiny, np.float64: np.finfo(np.float64).tiny}
+
+
 def sum_(
     present: Sequence[tuple[torch.Tensor, int, float]],
     target: torch.Tensor,
@@ -261,30 +298,60 @@ def sum_(
     if not on_kernels(target) or any(f == DENSE_ENCODING for _, f, _ in present):
         _torch_paths.sum_(present, target, scratch, divisor)  # dense pieces: small vectors
         return
-    lengths = np.array([m.numel() for m, _, _ in present], np.int64)
-    starts = np.zeros(len(present), np.int64)
-    np.cumsum(lengths[:-1], out=starts[1:])
-    if len(present) == 1:
-        flat = present[0][0].numpy()
-    else:
-        flat = torch.cat([m for m, _, _ in present]).numpy() if present else NO_WORDS
-    dtype = array(target).dtype
-    ts = np.array([t for _, _, t in present], dtype)
-    exact = math.frexp(divisor)[0] == 0.5  # a power of two: 1/divisor is exact
-    if exact and (ts.size == 0 or ts.min() / divisor >= np.finfo(dtype).tiny):
-        ts, divisor = ts / dtype.type(divisor), 1  # the same rounding, and no divide pass
+    t = array(target)
+    flat, starts, lengths, ts, div, exact = _packed(present, t.dtype, divisor)
     sparse = all(f == FLEXIBLE_ENCODING for _, f, _ in present)
+    fmts = np.array([f for _, f, _ in present], np.int64)
     launch(
         "decode_sum",
-        array(target),
+        t,
         flat,
         starts,
         lengths,
-        np.array([f for _, f, _ in present], np.int64),
+        fmts,
         ts,
-        dtype.type(divisor),
+        div,
         exact,
         scratch is not None,
-        array(target if scratch is None else scratch),
-        small=scratch is not None and sparse and flat.size < SMALL,  # O(entries) work
-    )
+        t if scratch is None else array(scratch),
+        small=scratch is not None and sparse and flat.size < SMALL,
+    )  # O(entries) work
+
+
+def step_sum_(
+    present: Sequence[tuple[torch.Tensor, int, float]],
+    params: torch.Tensor,
+    scratch: torch.Tensor,
+    lr: float,
+    divisor: float,
+) -> int:
+    """Plain SGD, ``params.add_(m, alpha=-lr)``, with ``m`` the validated ``(message, format,
+    t)`` decoded and summed into ``scratch``'s type and divided by ``divisor``
+    (:func:`sum_`'s result); the non-finite count of the elements it changed. On the kernels
+    with only sparse messages it touches just their elements and leaves ``scratch`` alone;
+    else ``scratch`` holds ``m`` after."""
+    sparse = all(f == FLEXIBLE_ENCODING for _, f, _ in present)
+    if not (on_kernels(params) and on_kernels(scratch) and sparse):
+        sum_(present, scratch, None, divisor)
+        params.add_(scratch.to(params.dtype), alpha=-lr)
+        return count_nonfinite(params)
+    if not present or params.numel() == 0:
+        return 0
+    p = array(params)
+    flat, starts, lengths, ts, div, exact = _packed(present, array(scratch).dtype, divisor)
+    bad = np.zeros(kernels().num_chunks(params.numel()), np.int64)
+    launch(
+        "step_sum",
+        p,
+        flat,
+        starts,
+        lengths,
+        ts,
+        div,
+        exact,
+        p.dtype.type(-lr),
+        p.dtype.type(-0.0),
+        bad,
+        small=flat.size < SMALL,
+    )  # O(entries) work
+    return int(bad.sum())

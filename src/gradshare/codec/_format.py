@@ -78,11 +78,15 @@ def read_words(message: torch.Tensor, count: int) -> list[int]:
 
 def write_header(message: torch.Tensor, first: int, numel: int, t: float, fmt: int) -> None:
     """Write the 4 header words ``[first, numel, bits of t, fmt]`` into ``message``."""
-    header = (first, numel, threshold_bits(t), fmt)
+    write_words(message, [first, numel, threshold_bits(t), fmt])
+
+
+def write_words(message: torch.Tensor, words: list[int]) -> None:
+    """Write ``words`` into the first words of ``message`` (on any device)."""
     if message.device.type == "cpu":
-        message.numpy()[:HEADER_WORDS] = header
+        message.numpy()[: len(words)] = words
     else:
-        message[:HEADER_WORDS] = torch.tensor(header, dtype=torch.int32)
+        message[: len(words)] = torch.tensor(words, dtype=torch.int32)
 
 
 # --------------------------------------------------------------------------- mean magnitude

@@ -269,3 +269,48 @@ def make_bitmap_superblock(add, size):  # pragma: no cover - runs while compilin
         return sig, codegen
 
     return bitmap_superblock
+
+
+@intrinsic
+def fma(typingctx, a, b, c):  # pragma: no cover - runs while compiling
+    """``a * b + c`` rounded once (``llvm.fma``: a fused multiply-add instruction where the
+    CPU has one, else libm's exact ``fma``), as torch's CPU ``add(c, b, alpha=a)`` rounds it.
+    All three of one float type."""
+    if not (isinstance(a, types.Float) and a == b == c):
+        return None
+    sig = a(a, b, c)
+
+    def codegen(context, builder, signature, args):
+        fty = context.get_value_type(signature.args[0])
+        sfx = "f32" if signature.args[0] == types.float32 else "f64"
+        fn = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(fty, [fty, fty, fty]), f"llvm.fma.{sfx}"
+        )
+        return builder.call(fn, list(args))
+
+    return sig, codegen
+
+
+@intrinsic
+def prefetch(typingctx, arr, index):  # pragma: no cover - runs while compiling
+    """Hint the CPU to load ``arr[index]``'s cache line for a write soon (``llvm.prefetch``;
+    nothing where it has no such instruction, and no fault for any index)."""
+    if not (isinstance(arr, types.Array) and isinstance(index, types.Integer)):
+        return None
+    sig = types.void(arr, index)
+
+    def codegen(context, builder, signature, args):
+        a, i = args
+        data = context.make_array(signature.args[0])(context, builder, a).data
+        i8p = ir.IntType(8).as_pointer()
+        ptr = builder.bitcast(builder.gep(data, [i]), i8p)
+        i32 = ir.IntType(32)
+        fn = cgutils.get_or_insert_function(
+            builder.module,
+            ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
+            "llvm.prefetch.p0i8",
+        )
+        builder.call(fn, [ptr, ir.Constant(i32, 1), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+        return context.get_dummy_value()
+
+    return sig, codegen

@@ -43,7 +43,7 @@ import numpy as np
 from numba import njit, prange
 
 from gradshare.codec._format import COMPACT_GAP as GAP
-from gradshare.codec._intrinsics import make_bitmap_superblock, make_superblock
+from gradshare.codec._intrinsics import fma, make_bitmap_superblock, make_superblock, prefetch
 
 CHUNK = 1 << 16
 """Elements per parallel chunk (a multiple of 16, so bitmap words never straddle chunks)."""
@@ -88,10 +88,11 @@ def count_nonfinite(x, counts):  # pragma: no cover - compiled
 
 
 @njit(**_OPTS)
-def take_update(before, plus, has_plus, after, out, restore, counts):  # pragma: no cover
-    """``out = (before + plus) - after`` (``before - after`` without ``has_plus``; then
-    ``after = before`` if ``restore``), counting per chunk the non-finite elements of ``out``
-    into ``counts``: one pass over the arrays (the count reads each chunk again in cache).
+def take_update(before, plus, after, out, source, counts):  # pragma: no cover - compiled
+    """``out = (before + plus) - after`` (``before - after`` when ``plus`` is None; then
+    ``after = source`` unless None), counting per chunk the non-finite elements of ``out``
+    into ``counts``: one pass over the arrays (the count and the copy read each chunk again
+    in cache). Optional arrays are None, as in :func:`decay_add`.
 
     No fastmath here: each element sees the same IEEE operations, in the same order, as
     torch's ``add`` then ``sub``; only the count (:func:`_nonfinite_in`) reassociates.
@@ -103,48 +104,63 @@ def take_update(before, plus, has_plus, after, out, restore, counts):  # pragma:
         b = before[lo:hi]
         a = after[lo:hi]
         o = out[lo:hi]
-        if has_plus:
-            q = plus[lo:hi]
+        for j in range(hi - lo):
+            o[j] = ((b[j] + plus[lo + j]) if plus is not None else b[j]) - a[j]
+        if source is not None:
             for j in range(hi - lo):
-                o[j] = (b[j] + q[j]) - a[j]
-        else:
-            for j in range(hi - lo):
-                o[j] = b[j] - a[j]
-        if restore:
-            for j in range(hi - lo):
-                a[j] = b[j]
+                a[j] = source[lo + j]
         counts[c] = _nonfinite_in(o)
 
 
 @njit(**_OPTS)
-def decay_add(r, factor, backup, before, plus, has_plus, after, out, has_out, counts):
-    """``backup = r``, ``d = (before + plus) - after`` (``before - after`` without
-    ``has_plus``; into ``out`` with ``has_out``) and ``r = r * factor + d``, counting per chunk
-    the non-finite elements of the new ``r`` into ``counts``: one pass over the arrays, where
-    a difference, a decay and an add would take three.
+def decay_add(
+    src, factor, dst, keep, before, plus, after, out, copy, sample, start, stride, counts
+):  # pragma: no cover - compiled
+    """``d = (before + plus) - after`` (``before - after`` when ``plus`` is None; into ``out``
+    unless None), ``keep = src`` and ``copy = after`` (unless None) and ``dst = src * factor
+    + d``, counting per chunk the non-finite elements of ``dst`` into ``counts``: one pass
+    over the arrays, where a difference, a decay and an add would take three. ``dst`` is
+    ``src`` itself (the residual decays in place, its old values kept in ``keep``) or another
+    array (``src`` is then left as it was). ``sample[i] = |dst[start + i * stride]|`` for
+    every ``i`` (none when it is empty), taken while each chunk is in cache.
 
-    No fastmath here: each element sees the same IEEE operations, in the same order, as
-    torch's ``add``, ``sub``, ``mul`` then ``add``; only the count (:func:`_nonfinite_in`)
-    reassociates. ``r`` is finite before, so a non-finite ``d`` leaves its element non-finite.
+    The optional arrays are None rather than flagged: numba compiles each combination with
+    the unused arrays' code removed, so that every loop vectorises (with flags a third
+    slower). No fastmath here: each element sees the same IEEE operations, in the same order,
+    as torch's ``add``, ``sub``, ``mul`` then ``add``; only the count (:func:`_nonfinite_in`)
+    reassociates. ``src`` is finite, so a non-finite ``d`` leaves its element non-finite.
     """
-    n = r.size
+    n = dst.size
     for c in prange(counts.size):
         lo = c * CHUNK
         hi = min(lo + CHUNK, n)
-        rs = r[lo:hi]
-        ks = backup[lo:hi]
+        rs = src[lo:hi]
+        ds = dst[lo:hi]
         b = before[lo:hi]
         a = after[lo:hi]
-        q = plus[lo:hi]
-        o = out[lo:hi]
-        for j in range(hi - lo):  # the flags are loop-invariant: LLVM unswitches them
-            d = ((b[j] + q[j]) if has_plus else b[j]) - a[j]
-            if has_out:
-                o[j] = d
+        for j in range(hi - lo):
+            d = ((b[j] + plus[lo + j]) if plus is not None else b[j]) - a[j]
+            if out is not None:
+                out[lo + j] = d
+            if copy is not None:
+                copy[lo + j] = a[j]
             v = rs[j]
-            ks[j] = v
-            rs[j] = v * factor + d
-        counts[c] = _nonfinite_in(rs)
+            if keep is not None:
+                keep[lo + j] = v
+            ds[j] = v * factor + d
+        _sample_chunk(dst, sample, start, stride, lo, hi)
+        counts[c] = _nonfinite_in(ds)
+
+
+@njit(inline="always")
+def _sample_chunk(x, sample, start, stride, lo, hi):  # pragma: no cover - compiled
+    """``sample[i] = |x[start + i * stride]|`` for the positions in ``lo..hi``."""
+    i = 0 if lo <= start else (lo - start + stride - 1) // stride
+    g = start + i * stride
+    while i < sample.size and g < hi:
+        sample[i] = abs(x[g])
+        i += 1
+        g += stride
 
 
 _bitmap_add = make_bitmap_superblock(True, SUPER)
@@ -715,6 +731,74 @@ def decode_sum(
                     buf[i] = zero
 
 
+AHEAD = 32
+"""Entries :func:`step_sum` fetches ahead of the one it steps."""
+
+
+@njit(**_OPTS)
+def step_sum(
+    params, flat, starts, lengths, ts, divisor, exact_inverse, neg_lr, zero, bad
+):  # pragma: no cover
+    """Plain SGD with the mean of validated sparse messages as its gradient, touching only
+    their elements: ``params[i] = fma(neg_lr, m_i, params[i])`` where ``m_i`` is
+    :func:`decode_sum`'s element i (the messages' ``±ts[m]`` summed in order from zero, then
+    divided by ``divisor``, or multiplied by its exact inverse), widened to the params' type
+    by adding ``zero`` (-0.0, which keeps a -0.0). An element whose ``m_i`` is +0.0 (no
+    message names it, or their entries cancel) keeps its value under such a step, and is
+    left alone. ``bad[c]`` counts the non-finite values written in chunk ``c``.
+    """
+    n = params.size
+    divide = divisor != 1
+    inverse = (divisor / divisor) / divisor  # in the sum's type: the mean stays in it
+    nothing = divisor - divisor
+    for c in prange(bad.size):
+        lo = c * CHUNK
+        hi = min(lo + CHUNK, n)
+        count = 0
+        if ts.size == 1:  # one message: each entry is its element's whole sum
+            a, b = _range_in_chunk(flat, starts[0], lengths[0], lo, hi)
+            t = ts[0]
+            for k in range(a, b):
+                if k + AHEAD < b:  # the elements are far apart: fetch ahead of the steps
+                    f = flat[k + AHEAD]
+                    prefetch(params, (f if f > 0 else -f) - 1)
+                e = flat[k]
+                s = nothing + (t if e > 0 else -t)
+                s = (s * inverse if exact_inverse else s / divisor) if divide else s
+                i = (e if e > 0 else -e) - 1
+                v = fma(neg_lr, s + zero, params[i])
+                params[i] = v
+                count += not (abs(v) < np.inf)
+            bad[c] = count
+            continue
+        buf = np.empty(hi - lo, ts.dtype)  # the sums, at the messages' elements only
+        first = np.empty(ts.size, np.int64)
+        last = np.empty(ts.size, np.int64)
+        for m in range(ts.size):
+            first[m], last[m] = _range_in_chunk(flat, starts[m], lengths[m], lo, hi)
+            for k in range(first[m], last[m]):
+                e = flat[k]
+                buf[(e if e > 0 else -e) - 1 - lo] = nothing
+        for m in range(ts.size):
+            t = ts[m]
+            for k in range(first[m], last[m]):
+                e = flat[k]
+                buf[(e if e > 0 else -e) - 1 - lo] += t if e > 0 else -t
+        for m in range(ts.size):
+            for k in range(first[m], last[m]):
+                e = flat[k]
+                i = (e if e > 0 else -e) - 1
+                s = buf[i - lo]
+                s = (s * inverse if exact_inverse else s / divisor) if divide else s
+                if s == 0 and math.copysign(1.0, s) > 0:
+                    continue  # +0.0, or stepped already: the mark below
+                v = fma(neg_lr, s + zero, params[i])
+                params[i] = v
+                count += not (abs(v) < np.inf)
+                buf[i - lo] = nothing
+        bad[c] = count
+
+
 @njit(inline="always")
 def _bitmap_into(words, t, buf):  # pragma: no cover - compiled
     """Add a chunk's bitmap ``words`` (int32, from the chunk's first word) into ``buf``."""
@@ -799,7 +883,7 @@ PARALLEL = {
     k.py_func.__name__: k
     for k in (
         count_nonfinite, take_update, decay_add, scan, undo, emit_sparse,
-        encode_bitmap, first_bad_entry, decode_sparse, decode_bitmap, decode_sum,
+        encode_bitmap, first_bad_entry, decode_sparse, decode_bitmap, decode_sum, step_sum,
         sent_magnitudes, bitmap_magnitudes, encode_bitmap_step,
     )
 }  # fmt: skip

@@ -66,32 +66,41 @@ def count_nonfinite(x: torch.Tensor) -> int:
 
 
 def take_update_(
-    before: torch.Tensor, after: torch.Tensor, out: torch.Tensor, restore: bool,
-    plus: torch.Tensor | None = None,
+    before: torch.Tensor, after: torch.Tensor, out: torch.Tensor,
+    plus: torch.Tensor | None = None, source: torch.Tensor | None = None,
 ) -> int:  # fmt: skip
     """``out = (before + plus) - after`` (``before - after`` without ``plus``; then
-    ``after = before`` with ``restore``); non-finite count of ``out``."""
+    ``after = source`` if given); non-finite count of ``out``."""
     if plus is None:
         torch.sub(before, after, out=out)
     else:
         torch.add(before, plus, out=out).sub_(after)
-    if restore:
-        after.copy_(before)
+    if source is not None:
+        after.copy_(source)
     return count_nonfinite(out)
 
 
 def decay_add_(
-    residual: torch.Tensor, factor: float, backup: torch.Tensor, before: torch.Tensor,
-    after: torch.Tensor, plus: torch.Tensor | None, out: torch.Tensor | None,
+    src: torch.Tensor, factor: float, dst: torch.Tensor, keep: torch.Tensor | None,
+    before: torch.Tensor, after: torch.Tensor, plus: torch.Tensor | None,
+    out: torch.Tensor | None, sample: tuple[torch.Tensor, int, int] | None = None,
+    copy: torch.Tensor | None = None,
 ) -> int:  # fmt: skip
-    """``backup = residual``, ``d = (before + plus) - after`` (into ``out`` if given) and
-    ``residual = residual * factor + d``; the non-finite count of the new residual."""
+    """``keep = src`` and ``copy = after`` (if given), ``d = (before + plus) - after`` (into
+    ``out`` if given) and ``dst = src * factor + d`` (``dst`` may be ``src``); ``sample = (m,
+    start, stride)``: ``m[i] = |dst[start + i * stride]|``. The non-finite count of ``dst``."""
     d = torch.sub(before, after) if plus is None else torch.add(before, plus).sub_(after)
     if out is not None:
         out.copy_(d)
-    backup.copy_(residual)
-    residual.mul_(factor).add_(d)
-    return count_nonfinite(residual)
+    if copy is not None:
+        copy.copy_(after)
+    if keep is not None:
+        keep.copy_(src)
+    torch.mul(src, factor, out=dst).add_(d)
+    if sample is not None:
+        m, start, stride = sample
+        m.copy_(dst[start::stride][: m.numel()].abs())
+    return count_nonfinite(dst)
 
 
 # --------------------------------------------------------------------------- encode

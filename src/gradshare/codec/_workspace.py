@@ -113,6 +113,11 @@ class Workspace:
             _, counts, _, old = self._reserve(r.size, r.dtype)
             launch("undo", r, counts, self._ent, old)
 
+    def drop_(self) -> None:
+        """Forget the moves a fused ``scan_`` made ahead, without undoing them: the caller
+        has put its residual back whole (from a copy of its own) or given it up."""
+        self._pending = None
+
     def scan_(self, residual: torch.Tensor, update: torch.Tensor | None, t: float) -> int:
         """``residual += update`` (if given); count and remember the elements with ``|x| >= t``."""
         if self._pending is not None:

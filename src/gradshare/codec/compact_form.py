@@ -53,6 +53,7 @@ from gradshare.codec._format import (
     MessageError,
     bits_threshold,
     read_words,
+    write_words,
 )
 
 __all__ = ["COMPACT_HEADER_WORDS", "compact_length", "compact_message", "expand_message"]
@@ -72,11 +73,11 @@ def compact_message(message: torch.Tensor) -> torch.Tensor:
 
     ``message`` is trusted (an encoder's own, valid for its vector): it is not validated.
     """
-    if message.numel() <= HEADER_WORDS or int(message[3]) != FLEXIBLE_ENCODING:
+    if message.numel() <= HEADER_WORDS:
         return message
-    k = message.numel() - HEADER_WORDS
+    k, n, bits, fmt = read_words(message, HEADER_WORDS)
     limit = 4 * (k - 2)  # the most bytes with 5 + ceil(L/4) < K + 4 words
-    if limit < k:
+    if fmt != FLEXIBLE_ENCODING or limit < k:
         return message
     out = torch.zeros(k + HEADER_WORDS, dtype=torch.int32, device=message.device)
     num_bytes = _dispatch.compact_entries(
@@ -84,9 +85,7 @@ def compact_message(message: torch.Tensor) -> torch.Tensor:
     )
     if num_bytes < 0:
         return message
-    out[:HEADER_WORDS].copy_(message[:HEADER_WORDS])
-    out[3] = COMPACT_ENCODING
-    out[4] = num_bytes
+    write_words(out, [k, n, bits, COMPACT_ENCODING, num_bytes])
     return out[: compact_length(num_bytes)]
 
 
@@ -128,13 +127,12 @@ def expand_message(message: torch.Tensor, numel: int) -> torch.Tensor:
             "it stands for (the sparse one is sent then)"
         )
     payload = message[COMPACT_HEADER_WORDS:].view(torch.uint8)
-    if bool(payload[num_bytes:].any()):
+    spare = payload[num_bytes:]
+    if bool(spare.numpy().any() if spare.is_cpu else spare.any()):
         raise fault(f"bytes past L = {num_bytes} are set; they must be zero")
-    entries = _dispatch.expand_entries(payload[:num_bytes], k, numel)
+    out = torch.empty(k + HEADER_WORDS, dtype=torch.int32, device=message.device)
+    entries = _dispatch.expand_entries(payload[:num_bytes], k, numel, out[HEADER_WORDS:])
     if isinstance(entries, str):
         raise fault(entries)
-    out = torch.empty(k + HEADER_WORDS, dtype=torch.int32, device=message.device)
-    out[:HEADER_WORDS].copy_(message[:HEADER_WORDS])
-    out[3] = FLEXIBLE_ENCODING
-    out[HEADER_WORDS:].copy_(entries)
+    write_words(out, [k, n, bits, FLEXIBLE_ENCODING])
     return out

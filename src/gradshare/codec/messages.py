@@ -101,7 +101,8 @@ __all__ = [
 ]
 
 # Also here, for gradshare's own modules (not public API): Workspace, serial_kernels, the check_*
-# helpers, float32_threshold, shares_memory, find_nonfinite, nonfinite_error, NonFiniteUpdate.
+# helpers, float32_threshold, shares_memory, find_nonfinite, nonfinite_error, NonFiniteUpdate,
+# subtract_, decay_add_, decay_into_ and step_sum_.
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -280,28 +281,25 @@ def take_update_(
 
 def subtract_(
     before: torch.Tensor, after: torch.Tensor, out: torch.Tensor, *,
-    plus: torch.Tensor | None = None,
+    plus: torch.Tensor | None = None, then: torch.Tensor | None = None,
 ) -> int:  # fmt: skip
     """``out = (before + plus) - after`` (``before - after`` without ``plus``), rounded as
-    torch's ``add`` then ``sub`` round it; the number of non-finite elements of ``out``.
+    torch's ``add`` then ``sub`` round it, then ``after = then`` when given; the number of
+    non-finite elements of ``out``.
 
     On CPU it is one pass over the vectors, the count included (for a caller that names
-    what is not finite instead of raising, where :func:`take_update_` raises).
+    what is not finite instead of raising, where :func:`take_update_` raises). ``out`` may
+    be ``before`` (LocalSteps' carry, ``base -= local``, as its replica takes the global copy
+    ``then``).
     """
-    for name, x in (("after", after), ("out", out), ("plus", plus)):
-        if x is not None and (
-            x.shape != before.shape or x.dtype != before.dtype or x.device != before.device
-        ):
-            raise ValueError(
-                f"Expect `{name}` like `before` ({before.dtype}, {tuple(before.shape)}, "
-                f"{before.device}), got {x.dtype}, {tuple(x.shape)}, {x.device}."
-            )
-    return _dispatch.take_update_(before, after, out, False, plus)
+    _check_like(before, after=after, out=out, plus=plus, then=then, like="before")
+    return _dispatch.take_update_(before, after, out, False, plus, then)
 
 
 def decay_add_(
     residual: torch.Tensor, factor: float, backup: torch.Tensor, before: torch.Tensor,
     after: torch.Tensor, *, plus: torch.Tensor | None = None, out: torch.Tensor | None = None,
+    sample: tuple[torch.Tensor, int, int] | None = None, copy: torch.Tensor | None = None,
 ) -> int:  # fmt: skip
     """``backup = residual``, then ``residual = residual * factor + d`` with the difference
     ``d = (before + plus) - after`` (``before - after`` without ``plus``; also written to
@@ -311,19 +309,64 @@ def decay_add_(
     Error feedback with decay in one pass over the vectors on CPU, the count included: the
     caller encodes the residual with ``Encoder.encode(None, ...)``, and puts ``backup`` back
     when the round fails (a non-finite ``d`` makes its element of the residual non-finite).
+    ``sample = (magnitudes, start, stride)`` also writes ``magnitudes[i] = |residual[start +
+    i * stride]|`` (the new residual) in the same pass: what a threshold algorithm samples
+    (:func:`gradshare.encoding.encoder.sample_span`); ``copy`` takes ``after`` as it is
+    (LocalSteps' send point).
     """
-    for name, x in (("backup", backup), ("before", before), ("after", after), ("plus", plus),
-                    ("out", out)):  # fmt: skip
+    _check_like(residual, backup=backup, before=before, after=after, plus=plus, out=out,
+                copy=copy)  # fmt: skip
+    sample = _checked_sample(residual, sample)
+    return _dispatch.decay_add_(residual, factor, residual, backup, before, after, plus, out,
+                                sample, copy)  # fmt: skip
+
+
+def decay_into_(
+    residual: torch.Tensor, factor: float, into: torch.Tensor, before: torch.Tensor,
+    after: torch.Tensor, *, plus: torch.Tensor | None = None, out: torch.Tensor | None = None,
+    sample: tuple[torch.Tensor, int, int] | None = None, copy: torch.Tensor | None = None,
+) -> int:  # fmt: skip
+    """:func:`decay_add_` that writes the new residual into ``into`` and leaves ``residual``
+    as it was (it is then the backup; the caller swaps the two): ``into = residual * factor +
+    d``, one write fewer than a backup's copy. The number of non-finite elements of ``into``.
+    """
+    _check_like(residual, into=into, before=before, after=after, plus=plus, out=out, copy=copy)
+    if shares_memory(residual, into):
+        raise ValueError("Expect `into` in memory of its own, apart from `residual`.")
+    sample = _checked_sample(into, sample)
+    return _dispatch.decay_add_(residual, factor, into, None, before, after, plus, out,
+                                sample, copy)  # fmt: skip
+
+
+def _check_like(first: torch.Tensor, like: str = "residual", **others: Any) -> None:
+    """Raise unless every tensor of ``others`` (None: absent) is like ``first``, which the
+    error calls ``like``."""
+    for name, x in others.items():
         if x is not None and (
-            x.shape != residual.shape or x.dtype != residual.dtype
-            or x.device != residual.device
-        ):  # fmt: skip
+            x.shape != first.shape or x.dtype != first.dtype or x.device != first.device
+        ):
             raise ValueError(
-                f"Expect `{name}` like `residual` ({residual.dtype}, "
-                f"{tuple(residual.shape)}, {residual.device}), got {x.dtype}, "
-                f"{tuple(x.shape)}, {x.device}."
+                f"Expect `{name}` like `{like}` ({first.dtype}, {tuple(first.shape)}, "
+                f"{first.device}), got {x.dtype}, {tuple(x.shape)}, {x.device}."
             )
-    return _dispatch.decay_add_(residual, factor, backup, before, after, plus, out)
+
+
+def _checked_sample(
+    x: torch.Tensor, sample: tuple[torch.Tensor, int, int] | None
+) -> tuple[torch.Tensor, int, int] | None:
+    """``sample`` after checking that its magnitudes fill exactly ``x[start::stride]``."""
+    if sample is None:
+        return None
+    m, start, stride = sample
+    if not (stride >= 1 and 0 <= start < max(x.numel(), 1)):
+        raise ValueError(f"Expect 0 <= `start` < N and `stride` >= 1, got {start}, {stride}.")
+    want = len(range(start, x.numel(), stride))
+    if m.shape != (want,) or m.dtype != x.dtype or m.device != x.device:
+        raise ValueError(
+            f"Expect the sampled magnitudes as a {x.dtype} vector of {want} elements on "
+            f"{x.device}, got {m.dtype}, {tuple(m.shape)}, {m.device}."
+        )
+    return m, start, stride
 
 
 # --------------------------------------------------------------------------- encode
@@ -628,7 +671,10 @@ def decode_sum_(
     check): only for messages that this process's own encoders made, in memory of their own,
     for a vector of this length; never for messages received from elsewhere.
     """
-    return _sum_(messages, out, "out", None, divisor, names, checked)
+    _dispatch.sum_(
+        _present(messages, out, "out", None, divisor, names, checked), out, None, divisor
+    )
+    return out
 
 
 def subtract_sum_(
@@ -655,10 +701,49 @@ def subtract_sum_(
             f"Expect `scratch` like `params` ({params.dtype}, {tuple(params.shape)}), got "
             f"{scratch.dtype}, {tuple(scratch.shape)}."
         )
-    return _sum_(messages, params, "params", scratch, divisor, names, checked)
+    present = _present(messages, params, "params", scratch, divisor, names, checked)
+    _dispatch.sum_(present, params, scratch, divisor)
+    return params
 
 
-def _sum_(
+def step_sum_(
+    messages: Sequence[torch.Tensor | None],
+    params: torch.Tensor,
+    scratch: torch.Tensor,
+    *,
+    lr: float,
+    divisor: float = 1.0,
+    names: Sequence[str] | None = None,
+    checked: bool = False,
+) -> int:
+    """Take plain SGD's step on ``params`` with the mean of the decoded ``messages`` as the
+    gradient; return how many values it wrote are not finite.
+
+    The gradient is :func:`decode_sum_`'s result (in ``scratch``'s type), and the step
+    rounds as ``torch.optim.SGD`` without momentum, dampening, weight decay, nesterov or
+    maximize rounds it on the CPU: ``params.add_(grad, alpha=-lr)``, one fused multiply-add
+    per element. On CPU, when every message is sparse, only the elements the messages name
+    are read and written (an element no message names has the gradient +0.0, which such a
+    step leaves as it is), and ``scratch`` is left alone: a step of O(entries), not O(N).
+    Otherwise the gradient is decoded into ``scratch`` first (it holds it after) and every
+    element steps. Validation as in :func:`decode_sum_`; on a fault ``params`` and
+    ``scratch`` are untouched.
+    """
+    if scratch.shape != params.shape:
+        raise ValueError(
+            f"Expect `scratch` of the shape of `params` {tuple(params.shape)}, got "
+            f"{tuple(scratch.shape)}."
+        )
+    if not 0 <= lr <= torch.finfo(params.dtype).max:
+        raise ValueError(
+            f"Expect `lr` >= 0 and finite in {params.dtype}, got {lr!r}: it is SGD's "
+            "learning rate, a float of the parameters' type (torch refuses it too)."
+        )
+    present = _present(messages, params, "params", scratch, divisor, names, checked)
+    return _dispatch.step_sum_(present, params, scratch, lr, divisor)
+
+
+def _present(
     messages: Sequence[torch.Tensor | None],
     target: torch.Tensor,
     target_name: str,
@@ -666,8 +751,9 @@ def _sum_(
     divisor: float,
     names: Sequence[str] | None,
     checked: bool,
-) -> torch.Tensor:
-    """Check everything, then decode ``messages`` into ``target`` (see the two callers)."""
+) -> list[tuple[torch.Tensor, int, float]]:
+    """Every message but None, checked for ``target`` (``scratch``) and (a compact one)
+    expanded, with its format and t: what the decoders take."""
     check_vector(target, target_name)
     _check_divisor(divisor)
     if names is not None and len(names) != len(messages):
@@ -688,7 +774,7 @@ def _sum_(
             continue
         name = f"position {i}" if names is None else names[i]
         if checked:  # made here, in memory of its own, for a vector of this length: confirm N
-            _, n, bits, fmt = m[:HEADER_WORDS].tolist()
+            _, n, bits, fmt = read_words(m, HEADER_WORDS)
             if n != numel:
                 raise MessageError(
                     f"Message from {name} encodes N = {n} elements, but the target has "
@@ -709,8 +795,7 @@ def _sum_(
         except MessageError as e:
             raise MessageError(f"Message from {name} is invalid: {e}") from None
         present.append((m, fmt, t))
-    _dispatch.sum_(present, target, scratch, divisor)
-    return target
+    return present
 
 
 def _check_divisor(divisor: Any) -> None:

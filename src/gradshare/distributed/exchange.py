@@ -29,6 +29,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Protocol, TypeVar
 
@@ -46,8 +47,10 @@ __all__ = [
     "Pipeline",
     "PrivateGroup",
     "collective",
+    "Pieces",
     "exchange_messages",
     "exchange_pieces",
+    "gather_pieces",
     "global_ranks",
     "largest_message",
     "name_group",
@@ -258,6 +261,60 @@ def exchange_messages(
     return [m[: h[1]] if h[1] else None for h, m in zip(table, gathered, strict=True)]
 
 
+@dataclass(frozen=True, slots=True)
+class Pieces:
+    """Every rank's multipart message of a round, cut into its validated pieces
+    (:func:`gather_pieces`): what :func:`exchange_pieces` decodes."""
+
+    by_rank: list[list[torch.Tensor | None]]
+    """Per rank, per target: its piece (sparse once expanded, a bitmap or a dense piece), or
+    None where it sent nothing."""
+    names: list[str]
+    """The ranks' names, for errors."""
+    sent: int
+    """The bytes this rank sent."""
+
+    def of(self, i: int) -> list[torch.Tensor | None]:
+        """Every rank's piece of target ``i``, in rank order."""
+        return [pieces[i] for pieces in self.by_rank]
+
+
+def gather_pieces(
+    message: torch.Tensor | None,
+    sizes: Sequence[int],
+    labels: Sequence[Any],
+    *,
+    group: Any,
+    timeout: float | timedelta | None,
+    device: torch.device,
+    home: torch.device,
+    failure: BaseException | None = None,
+    round: int = -1,
+) -> Pieces:
+    """Exchange every rank's multipart message, one piece per vector of ``sizes`` back to
+    back (:func:`gradshare.codec.multipart.join_messages`), and cut each into its pieces on
+    ``home``, every piece validated whole (a bad one raises
+    :class:`gradshare.MessageError` naming the rank and ``labels[i]``). ``failure``,
+    ``round`` and the errors are :func:`exchange_messages`'; each rank's message is capped at
+    the sum of its pieces' longest valid messages."""
+    messages = exchange_messages(
+        message,
+        sum(sizes),
+        group=group,
+        timeout=timeout,
+        device=device,
+        failure=failure,
+        max_words=sum(largest_message(n) for n in sizes),
+        round=round,
+    )
+    names = rank_names(len(messages), group)
+    by_rank = [
+        multipart.split_message(None if m is None else m.to(home), sizes, name, labels)
+        for m, name in zip(messages, names, strict=True)
+    ]
+    return Pieces(by_rank, names, 0 if message is None else 4 * message.numel())
+
+
 def exchange_pieces(
     message: torch.Tensor | None,
     targets: Sequence[torch.Tensor],
@@ -270,40 +327,24 @@ def exchange_pieces(
     failure: BaseException | None = None,
     round: int = -1,
 ) -> int:
-    """Exchange every rank's multipart message, one piece per target back to back
-    (:func:`gradshare.codec.multipart.join_messages`), and overwrite each target with the sum
-    of its pieces decoded in rank order, divided by ``divisor``: the DDP hook's bucket and
-    LocalSteps' round. Returns the bytes this rank sent.
-
-    Every rank's message is cut into its pieces by their headers and every piece validated
-    whole before any target is written (a bad one raises :class:`gradshare.MessageError`
-    naming the rank and ``labels[i]``); the messages travel on ``device`` and are decoded
-    where the targets live. ``failure``, ``round`` and the errors are
-    :func:`exchange_messages`'; each rank's message is capped at the sum of its pieces'
-    longest valid messages.
-    """
-    sizes = [t.numel() for t in targets]
-    messages = exchange_messages(
+    """:func:`gather_pieces`, then overwrite each target with the sum of its pieces decoded
+    in rank order, divided by ``divisor``: the DDP hook's bucket and LocalSteps' round. The
+    messages travel on ``device`` and are decoded where the targets live; no target is
+    written unless every piece is valid. Returns the bytes this rank sent."""
+    pieces = gather_pieces(
         message,
-        sum(sizes),
+        [t.numel() for t in targets],
+        labels,
         group=group,
         timeout=timeout,
         device=device,
+        home=targets[0].device,
         failure=failure,
-        max_words=sum(largest_message(n) for n in sizes),
         round=round,
     )
-    names = rank_names(len(messages), group)
-    home = targets[0].device
-    pieces = [
-        multipart.split_message(None if m is None else m.to(home), sizes, name, labels)
-        for m, name in zip(messages, names, strict=True)
-    ]
     for i, target in enumerate(targets):
-        codec.decode_sum_(
-            [p[i] for p in pieces], target, divisor=divisor, names=names, checked=True
-        )
-    return 0 if message is None else 4 * message.numel()
+        codec.decode_sum_(pieces.of(i), target, divisor=divisor, names=pieces.names, checked=True)
+    return pieces.sent
 
 
 def take_back(message: torch.Tensor, residual: torch.Tensor) -> None:

@@ -17,7 +17,7 @@ from gradshare import codec
 from gradshare.encoding.residual import NoResidualProcessing, ResidualPostProcessor
 from gradshare.encoding.threshold import ThresholdAlgorithm, resolve
 
-__all__ = ["EncodeStats", "Encoder"]
+__all__ = ["EncodeStats", "Encoder", "sample_span"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,6 +149,7 @@ class Encoder:
         epoch: int = 0,
         *,
         finite: bool = False,
+        magnitudes: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
         """Add ``update`` into the residual and return this step's message (or None).
 
@@ -162,6 +163,10 @@ class Encoder:
             finite: the caller already checked that ``update`` is finite
                 (:func:`gradshare.codec.take_update_` does while computing it), so the
                 encoder does not read it once more to check.
+            magnitudes: with ``update=None``, ``|residual|`` at the elements the threshold
+                algorithm samples (:func:`sample_span`), taken by the caller in the pass
+                that made the residual; None: sampled here (a pass over the residual's
+                cache lines of its own).
 
         Returns:
             An int32 message tensor, or None when fewer than 2 elements crossed the threshold.
@@ -172,6 +177,11 @@ class Encoder:
         """
         u = None
         if update is not None:
+            if magnitudes is not None:
+                raise ValueError(
+                    "Expect `magnitudes` only with `update=None` (they are the residual's, "
+                    "sampled by the caller that made it), got both."
+                )
             u = self._prepare(update)
             if not (finite and u.dtype == update.dtype):  # a cast to float32 may overflow
                 _check_finite(u)
@@ -183,7 +193,9 @@ class Encoder:
             )
         n = residual.numel()
         if self.algorithm.samples:
-            self.algorithm.observe(_sample(residual, u, self.algorithm.samples, iteration))
+            if magnitudes is None:
+                magnitudes = _sample(residual, u, self.algorithm.samples, iteration)
+            self.algorithm.observe(magnitudes)
         t = codec.float32_threshold(
             self.algorithm.calculate_threshold(iteration, epoch, *self._last)
         )
@@ -312,21 +324,29 @@ class Encoder:
         self.boundary = state["boundary"]
         last = state["last"]
         self._last = (last[0], last[1], last[2])
+        self._ws.drop_()  # a scan of the residual it replaces is void
         if residual is None:
             self.residual = None
         elif self.residual is None:
             self.residual = residual.detach().to(torch.float32).clone()
-        else:
+        elif residual is not self.residual:
             self.residual.copy_(residual)
 
 
+def sample_span(numel: int, k: int, iteration: int) -> tuple[int, int]:
+    """(start, stride) of the elements a threshold algorithm that asks for ``k`` samples sees
+    in ``iteration``, of a vector of ``numel``: about ``k`` evenly spread ones (all when
+    ``numel`` <= k), from an offset that moves with ``iteration`` (so no element is always
+    skipped). A caller that makes the residual itself samples it there in the same pass
+    (:func:`gradshare.codec.decay_add_`) and hands the magnitudes to :meth:`Encoder.encode`."""
+    stride = 1 if numel <= k else numel // k
+    return (0 if numel <= k else (iteration * 7919) % stride), stride
+
+
 def _sample(residual: torch.Tensor, u: torch.Tensor | None, k: int, iteration: int) -> torch.Tensor:
-    """``|residual + u|`` (``|residual|`` without ``u``) at about ``k`` evenly spread elements
-    (all when N <= k), starting at an offset that moves with ``iteration`` (so no element is
-    always skipped)."""
-    n = residual.numel()
-    stride = 1 if n <= k else n // k
-    start = 0 if n <= k else (iteration * 7919) % stride
+    """``|residual + u|`` (``|residual|`` without ``u``) at the elements of
+    :func:`sample_span`."""
+    start, stride = sample_span(residual.numel(), k, iteration)
     picked = residual[start::stride]
     return (picked if u is None else picked + u[start::stride]).abs()
 

@@ -32,6 +32,13 @@ A sync, on every rank:
    where the digests differ; ``broadcast_buffers``). Each rank's inner optimizer state stays
    its own.
 
+On the CPU the steps run in few passes over the model: per parameter, one pass computes Δ,
+decays it into the residual (beside the old one, with one fragment: the two swap) and samples
+the new residual for its threshold, and step 3 follows at once, while it is in cache (the
+header of step 1 comes after them; a refused round puts every residual and encoder back);
+with plain SGD as the outer optimizer (the default, :mod:`.outer`), steps 5-6 touch only the
+elements the pieces name, and step 7 is one copy.
+
 With ``dense=True`` (or ``density=1.0``) steps 2-5 are an exact float32 all-reduce of Δ
 (DiLoCo); with ``outer_optimizer=lambda p: torch.optim.SGD(p, lr=1.0)`` a dense sync leaves
 every replica at the mean of the ranks' replicas.
@@ -47,14 +54,16 @@ exchanges the header (step 1, synchronously), encodes Δ_k (steps 2-3), launches
 (step 4) and goes on training. After the τ-th step that follows, it waits for the exchange,
 takes the outer step with its mean (steps 5-6) and the model takes the global copy (step 7):
 the replicas are bit-identical after every merge. What each replica moved during those τ
-steps stays this rank's own *carry*, and the next Δ is measured from the global copy plus
-the carry. With τ = H the merge comes at the next sync, just after Δ_k+1 is taken, and the
-model takes the global copy plus that outer step again (a *lead*, the same on every rank,
-standing in for the round now in flight). ``flush()`` merges the round in flight at once,
-keeping this replica's moves since its send and its carry; ``close()`` and leaving the
-``with`` block flush; ``state_dict()`` waits for the round and saves its mean. A failed
-background exchange raises at the next merge, sync, flush, close or save, with every encoder
-put back as it was before that round and the round's moves kept for the next sync.
+steps stays this rank's own *carry* (where the round was sent from, noted by its Δ pass, less
+the replica at the merge, in the pass that gives the model the global copy), and the next Δ
+is measured from the global copy plus the carry. With τ = H the merge comes at the next
+sync, just after Δ_k+1 is taken, and the model takes the global copy plus that outer step
+again (a *lead*, the same on every rank, standing in for the round now in flight).
+``flush()`` merges the round in flight at once, keeping this replica's moves since its send
+and its carry; ``close()`` and leaving the ``with`` block flush; ``state_dict()`` waits for
+the round and saves its mean. A failed background exchange raises at the next merge, sync,
+flush, close or save, with every encoder put back as it was before that round and the
+round's moves kept for the next sync.
 
 The laws the tests hold it to (tests/test_local_steps.py): per parameter and rank, with β = 1,
 Σ Δ = Σ decoded own messages + residual (conservation), and with β < 1, residual_k =
@@ -69,6 +78,7 @@ What lives here:
 - :mod:`.options`: :class:`LocalStepsOptions` and the defaults, declared once;
 - :mod:`.schedule`: which fragment syncs and when a merge is, at step s (pure arithmetic);
 - :mod:`.fragment`: a fragment's views of every buffer and the arithmetic of a round;
+- :mod:`.outer`: which outer steps LocalSteps takes itself (plain SGD, found exactly);
 - :mod:`.protocol`: the round's collectives (header, status, dense or encoded mean);
 - :mod:`.overlap`: the round in flight, the carry, the lead, the flush;
 - :mod:`.state`: the checkpoint (save, load, migrations from earlier formats);

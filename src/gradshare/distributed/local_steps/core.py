@@ -190,7 +190,7 @@ class LocalSteps:
         """Every encoder replaced (a loaded state's), in the fragments' views too."""
         self.encoders[:] = encoders
         for f in self._fragments:
-            f.encoders[:] = encoders[f.span.first : f.span.last]
+            f.set_encoders(encoders[f.span.first : f.span.last])
 
     def settings(self) -> dict[str, Any]:
         """What every rank must agree on, and a state records (:func:`settings_of`)."""
@@ -234,7 +234,7 @@ class LocalSteps:
             self._receive()  # the last round's exchange ends before this thread's collectives
         received = self._overlap is not None and self._overlap.received
         self.bytes_sent += self._protocol.begin(frag, self.syncs, self.decay, received)
-        job, before = self._protocol.mean_job(frag, self.syncs, self.compact, self._unsent)
+        job, before = self._protocol.mean_job(frag, self.syncs, self._unsent, self.outer)
         if self._overlap is not None:
             self._overlap.launch(frag, job, before, self._unsync)
             self.syncs += 1
@@ -404,8 +404,10 @@ def _build_rounds(ls: LocalSteps) -> tuple[list[Fragment], Buffers, Overlap | No
         ls.encoders,
         whole,
         home=ls.home,
-        keep_delta=ls.dense or bool(ls.overlap),
+        keep_delta=ls.dense or ls.overlap == ls.sync_every,
         overlap=bool(ls.overlap),
+        send_in_pass=not ls.dense and 0 < ls.overlap < ls.sync_every,
+        compact=ls.compact,
     )
     if not ls.overlap:
         return fragments, flat, None

@@ -294,9 +294,8 @@ def sync(ls: LocalSteps, frag: Fragment, member: Member, wait: timedelta | None 
         before: list[dict[str, Any]] = []
         sent = 0
         try:
-            sent += ls._protocol.begin(frag, ls.syncs, ls.decay, False)
-            job, before = ls._protocol.mean_job(frag, ls.syncs, ls.compact, ls._unsent,
-                                                whole=leaving)  # fmt: skip
+            sent += ls._protocol.begin(frag, ls.syncs, ls.decay, False, whole=leaving)
+            job, before = ls._protocol.mean_job(frag, ls.syncs, ls._unsent, ls.outer)
             sent += undone_on_error(frag, before, job)
         except Exception as e:  # a peer lost (or its group not formed): the round fails everywhere
             member.manager.report_error(e)
@@ -308,6 +307,7 @@ def sync(ls: LocalSteps, frag: Fragment, member: Member, wait: timedelta | None 
             break
         if failure is None:  # the exchange went through here, a peer's did not
             frag.put_back(before)
+            frag.received = None  # pieces held for plain SGD's step: not this round's now
             failure = RuntimeError("a rank of the quorum failed the round")
         logger.info("LocalSteps: round %d failed (%s); again with the next quorum",
                     ls.syncs, failure)  # fmt: skip

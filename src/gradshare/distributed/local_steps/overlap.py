@@ -174,8 +174,9 @@ class Overlap:
         (its exchange) in the background. Should it fail, the encoders are put back as in
         ``before``, the round's Δ goes back into the carry, and ``undone()`` is called."""
         if self.round.take():
-            self.merge_with_lead()
-        fragment.note_send_point()
+            self.merge_with_lead()  # the send point too
+        else:
+            fragment.note_send_point()
 
         def undo() -> None:  # the exchange failed: nothing of this round stays
             fragment.put_back(before)
@@ -193,10 +194,7 @@ class Overlap:
         if not self.round.take():
             return  # none in flight: before the first sync, or after a flush
         assert self.flight is not None  # a round received is a fragment's
-        fragment = self.fragments[self.flight]
-        fragment.keep_carry()
-        self.step(fragment)
-        fragment.take_global()
+        self.fragments[self.flight].merge(self.step)
         self.flight = None
 
     def merge_with_lead(self) -> None:
@@ -215,12 +213,24 @@ class Overlap:
             fragment.give_back_carry()
         self.base.zero_()
 
-    def restore(self, pending: bool, fragment: int | None) -> None:
-        """A loaded state's round: the one in flight is dropped; ``pending`` says whether a
-        mean (already in the mean buffer) waits for the merge of ``fragment``."""
+    def base_state(self) -> torch.Tensor:
+        """The base as a state records it (a copy): per fragment, where its round was sent
+        from while it waits for its merge, else its carry."""
+        return torch.cat([f.base_state(i == self.flight) for i, f in enumerate(self.fragments)])
+
+    def restore(self, pending: bool, fragment: int | None, base: torch.Tensor | None) -> None:
+        """A loaded state's round and base (:meth:`base_state`; None: zeros): the round in
+        flight is dropped; ``pending`` says whether a mean (already in the mean buffer) waits
+        for the merge of ``fragment``."""
         self.round.drop()
         self.round.received = pending
         self.flight = fragment if pending else None
+        for f in self.fragments:
+            f.received = None  # a held round's pieces: the loaded mean is in the mean buffer
+        self.base.zero_()
+        if base is not None:
+            for i, f in enumerate(self.fragments):
+                f.load_base(base[f.span.start : f.span.stop], i == self.flight)
 
     def close(self) -> None:
         self.round.close()

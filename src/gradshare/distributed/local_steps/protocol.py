@@ -5,7 +5,8 @@ was finite or could be computed at all (and which parameter was not), and the di
 buffers. A difference in rounds, or any rank's failure, raises the same error on every rank
 before anything changes. Then the mean of the ranks' outer gradients: an exact float32
 all-reduce (dense) or the exchange of every rank's encoded pieces
-(:func:`~gradshare.distributed.exchange.exchange_pieces`, which the DDP hook shares).
+(:func:`~gradshare.distributed.exchange.gather_pieces`, whose decode the DDP hook shares),
+decoded into the mean, or held for an outer step that decodes them itself.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from gradshare.distributed.buffers import BufferSync
 from gradshare.distributed.exchange import (
     GroupSource,
     collective,
-    exchange_pieces,
+    gather_pieces,
     global_ranks,
 )
 from gradshare.distributed.local_steps.fragment import Fragment
@@ -97,13 +98,17 @@ class Protocol:
 
     # ------------------------------------------------------------------ a round's steps
 
-    def begin(self, fragment: Fragment, round: int, decay: float, sent_from: bool) -> int:
-        """Δ into the residuals (:meth:`Fragment.pseudo_gradient_`), then the header: a rank
-        whose Δ failed or is not finite stops every rank alike, with every residual as it
-        was; the buffers that differ become rank 0's. Returns the bytes this rank sent."""
+    def begin(
+        self, fragment: Fragment, round: int, decay: float, sent_from: bool, whole: bool = False
+    ) -> int:
+        """Δ into the residuals and their encode (:meth:`Fragment.pseudo_gradient_`), then
+        the header: a rank whose Δ failed or is not finite stops every rank alike, with every
+        residual and encoder as it was; the buffers that differ become rank 0's. Returns the
+        bytes this rank sent. ``whole``: every residual goes whole, as dense pieces (a rank
+        that leaves)."""
         status, bad, failure = OK, -1, None
         try:
-            bad = fragment.pseudo_gradient_(decay, sent_from)
+            bad = fragment.pseudo_gradient_(decay, sent_from, round, whole)
             status = OK if bad < 0 else NONFINITE
         except Exception as e:
             status, failure = FAILED, e
@@ -114,26 +119,30 @@ class Protocol:
             self.check(table, round)
             return self.take_buffers(table)
         except BaseException:
-            if failure is None:  # Δ went into the residuals: they go back
-                fragment.restore_residuals()
+            if failure is None:  # Δ went into the residuals and was encoded: undone
+                fragment.put_back(fragment.before)
             raise
 
     def mean_job(
-        self, fragment: Fragment, round: int, compact: bool, unsent: Unsent, whole: bool = False
+        self, fragment: Fragment, round: int, unsent: Unsent, outer: torch.optim.Optimizer
     ) -> tuple[Callable[[], int], list[dict[str, Any]]]:
-        """The round's exchange, to run now or in the background (it leaves the mean in the
-        fragment's part of the mean buffer and returns the bytes this rank sent), and every
-        encoder's state from before the encode. An encode that fails tells the other ranks
-        now and raises, every encoder put back. ``whole``: every residual goes out whole (a
-        rank that leaves)."""
+        """The round's exchange, to run now or in the background (it returns the bytes this
+        rank sent, and leaves the mean in the fragment's part of the mean buffer, or the
+        validated pieces with the fragment where its outer step decodes them itself:
+        :meth:`Fragment.hold`), and every encoder's state from before the round. An encode
+        that failed tells the other ranks now and raises, every encoder put back."""
         group = self.private.get()
         if not fragment.encoders:
             return (lambda: self.dense_mean(group, fragment)), []
-        mine, failure, before = fragment.encode(round, compact, unsent, whole)
+        hold = fragment.steps_pieces(outer)
+        mine, failure, before = fragment.message(unsent)
         if failure is not None:  # nothing is in flight: the others hear of it now
-            undone_on_error(fragment, before, lambda: self.encoded_mean(
-                group, fragment, None, failure, round))  # fmt: skip
-        return (lambda: self.encoded_mean(group, fragment, mine, None, round)), before
+            undone_on_error(
+                fragment,
+                before,
+                lambda: self.encoded_mean(group, fragment, None, failure, round, hold),
+            )
+        return (lambda: self.encoded_mean(group, fragment, mine, None, round, hold)), before
 
     # ------------------------------------------------------------------ the header
 
@@ -227,22 +236,29 @@ class Protocol:
         mine: torch.Tensor | None,
         failure: Exception | None,
         round: int,
+        hold: bool = False,
     ) -> int:
         """Exchange every rank's message of ``fragment`` (round ``round``), validate each
-        piece whole and decode their mean into the fragment's part of the mean; the bytes
-        this rank sent. With ``failure`` (this rank could not encode) the others raise naming
-        it, and this rank raises it."""
-        return exchange_pieces(
+        piece whole and decode their mean into the fragment's part of the mean (with
+        ``hold``: hand the pieces to the fragment, :meth:`Fragment.hold`); the bytes this rank
+        sent. With ``failure`` (this rank could not encode) the others raise naming it, and
+        this rank raises it."""
+        pieces = gather_pieces(
             None if mine is None else mine.to(self.device),
-            fragment.means,
+            [p.numel() for p in fragment.params],
             fragment.names,
             group=group,
             timeout=self.timeout,
             device=self.device,
-            divisor=self.divisor,
+            home=fragment.home,
             failure=failure,
             round=round,
         )
+        if hold:
+            fragment.hold(pieces, self.divisor)
+        else:
+            fragment.decode(pieces, self.divisor)
+        return pieces.sent
 
 
 def undone_on_error(

@@ -128,8 +128,10 @@ def state_dict(ls: LocalSteps) -> dict[str, Any]:
     if ls._overlap is not None:
         ls._receive()
         if ls._overlap.received:
+            assert ls._overlap.flight is not None  # a round received is a fragment's
+            ls._fragments[ls._overlap.flight].settle_mean()
             pending = ls._flat.mean.clone()
-    base = ls._flat.base
+    base = None if ls._overlap is None else ls._overlap.base_state()
     return {
         "format": FORMAT,
         **saved_by(ls.group),
@@ -143,7 +145,7 @@ def state_dict(ls: LocalSteps) -> dict[str, Any]:
         "outer": ls.outer.state_dict(),
         "pending": pending,
         "fragment": None if pending is None or ls._overlap is None else ls._overlap.flight,
-        "base": None if base is None else base.clone(),
+        "base": base,
     }
 
 
@@ -200,15 +202,10 @@ def load_state_dict(ls: LocalSteps, state: Any) -> None:
     check_optimizer_state(ls.outer, state["outer"], "LocalSteps state's `outer`")
     copy.deepcopy(ls.outer).load_state_dict(state["outer"])  # refuses another's state
     # everything checked: change
-    buffers = ls._flat
     if ls._overlap is not None:
         if pending is not None:
-            buffers.mean.copy_(pending)
-        ls._overlap.restore(pending is not None, fragment)
-    if buffers.base is not None:
-        buffers.base.zero_()
-        if base is not None:
-            buffers.base.copy_(base)
+            ls._flat.mean.copy_(pending)
+        ls._overlap.restore(pending is not None, fragment, base)
     ls.outer.load_state_dict(state["outer"])
     for g, t in zip(ls.global_params, glob, strict=True):
         g.copy_(t)
