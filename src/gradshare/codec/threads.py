@@ -112,6 +112,7 @@ def _decide() -> int:
         _decided = explicit
     else:
         _decided = max(1, min(torch_threads(), _usable_cpus() // _ranks_on_host()))
+    logger.debug("gradshare kernels: %d thread(s) per call", _decided)
     return _decided
 
 

@@ -244,6 +244,7 @@ class LocalSteps:
         frag.take_global()
         self.dense_bytes += 4 * frag.numel
         self.syncs += 1
+        logger.debug("LocalSteps sync %d: %d bytes sent in all", self.syncs, self.bytes_sent)
 
     def _unsync(self) -> None:  # a round in flight failed: its number is used again
         self.syncs -= 1
