@@ -149,7 +149,7 @@ def worker(a: argparse.Namespace) -> None:
         syncs = sync.syncs
         inner.step()
         _log(folder, rank, event="step", step=sync.steps, seconds=time.monotonic() - began,
-             synced=sync.syncs > syncs, loss=float(loss))  # fmt: skip
+             synced=sync.syncs > syncs, loss=loss.item())  # fmt: skip
         if a.run == "restart" and sync.steps % a.save_every == 0:
             state = {"model": model.state_dict(), "inner": inner.state_dict(),
                      "sync": sync.state_dict()}  # fmt: skip
