@@ -17,10 +17,11 @@ Run (PYTHONPATH=src, or an installed checkout; ``OMP_NUM_THREADS=1`` is set for 
   python bench/local_steps.py --report bench/results/local_steps_gpt1000.json   (table + plot)
 
 The workloads are ``bench/workloads.py``'s (imported, not copied): ``gpt`` (0.43M char-level
-GPT, AdamW, ``clip_grad_norm_(1.0)``, pydoc text; metric validation loss) and ``cnn`` (MNIST-5k,
-momentum SGD; metric test accuracy in points). ``--world`` gloo ranks on 127.0.0.1
-(``mp.spawn``); every method starts from the seed's weights and rank r draws the batches of
-generator ``1000 * seed + r``, so every method sees the same batches.
+GPT, AdamW, ``clip_grad_norm_(1.0)``, pydoc text; metric validation loss), ``gpt-cosine`` (the
+same with a warm-up over 10 % of the steps and a cosine to 10 % of the lr, :data:`SCHEDULED`)
+and ``cnn`` (MNIST-5k, momentum SGD; metric test accuracy in points). ``--world`` gloo ranks
+on 127.0.0.1 (``mp.spawn``); every method starts from the seed's weights and rank r draws the
+batches of generator ``1000 * seed + r``, so every method sees the same batches.
 
 Methods:
 
@@ -72,6 +73,7 @@ import argparse
 import fcntl
 import itertools
 import json
+import math
 import os
 import re
 import statistics
@@ -91,7 +93,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _env import environment, free_port
 from workloads import METHODS as EVERY_STEP
-from workloads import WORKLOADS, Data, _numel
+from workloads import WORKLOADS, Data, Workload, _numel
 
 RESULTS = Path(__file__).resolve().parent / "results"
 DILOCO_LR, DILOCO_MOMENTUM = 0.7, 0.9
@@ -103,6 +105,30 @@ METHOD = re.compile(
 )
 _TORCHFT_RUNS = itertools.count()
 """torchft runs in this rank so far: each run's replicas join the lighthouse under new ids."""
+
+
+SCHEDULED = ("gpt-cosine",)
+"""Workloads with an LR schedule: ``gpt-cosine`` is ``gpt`` whose inner lr warms up linearly
+over the first 10 % of the steps, then follows a cosine down to 10 % of its peak (a
+fine-tuning run's schedule; ``LambdaLR`` on the inner optimizer, stepped after each step)."""
+
+
+def workload_of(name: str) -> Workload:
+    """The workload a name runs (``gpt-cosine``: ``gpt``'s model, data and optimizer)."""
+    return WORKLOADS[name.removesuffix("-cosine")]
+
+
+def _schedule(name: str, opt: torch.optim.Optimizer, steps: int) -> Any:
+    if name not in SCHEDULED:
+        return None
+    warm = max(1, steps // 10)
+
+    def factor(s: int) -> float:
+        if s < warm:
+            return (s + 1) / warm
+        return 0.1 + 0.45 * (1 + math.cos(math.pi * (s - warm) / max(1, steps - warm)))
+
+    return torch.optim.lr_scheduler.LambdaLR(opt, factor)
 
 
 @dataclass
@@ -262,9 +288,11 @@ def _identical(model: nn.Module, world: int) -> bool:
 def _run(
     workload: str, method: str, rank: int, world: int, seed: int, steps: int, data: Data
 ) -> dict:
-    w = WORKLOADS[workload]
+    w = workload_of(workload)
     model = w.build(data, seed)
-    setup = build(method, model, w.optimizer(list(model.parameters())), steps)
+    inner = w.optimizer(list(model.parameters()))
+    setup = build(method, model, inner, steps)
+    lr = _schedule(workload, inner, steps)
     g = torch.Generator().manual_seed(1000 * seed + rank)
     load, start = os.getloadavg()[0], time.perf_counter()
     for _ in range(steps):
@@ -274,6 +302,8 @@ def _run(
         if w.clip is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), w.clip)
         setup.opt.step()
+        if lr is not None:
+            lr.step()
     seconds = time.perf_counter() - start
     setup.close()
     identical = _identical(model, world)
@@ -335,7 +365,7 @@ def _rank(
 ) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    data = WORKLOADS[workload].load()
+    data = workload_of(workload).load()
     for seed in seeds:
         for method in methods:
             run = _run(workload, method, rank, world, seed, steps, data)
@@ -389,7 +419,7 @@ def rows(runs: list[dict]) -> list[Row]:
                 # compare against dense over the same seeds when they ran
                 same = [r["metric"] for r in mine if r["method"] == "dense" and r["seed"] in seeds]
                 d = same or dense
-                higher = WORKLOADS[cfg[0]].higher_is_better
+                higher = workload_of(cfg[0]).higher_is_better
                 vs = mean - statistics.mean(d) if higher else mean / statistics.mean(d)
             sent = statistics.mean(r["bytes"] for r in rs)
             comp = statistics.mean(r["dense"] for r in rs) / sent
@@ -407,7 +437,7 @@ def rows(runs: list[dict]) -> list[Row]:
 def table(rs: list[Row]) -> str:
     lines = []
     for cfg in dict.fromkeys((r.workload, r.world, r.steps) for r in rs):
-        w = WORKLOADS[cfg[0]]
+        w = workload_of(cfg[0])
         vs = "- dense (pts)" if w.higher_is_better else "/ dense"
         lines.append(f"\n{cfg[0]}: {w.title}, {cfg[1]} ranks, {cfg[2]} steps")
         lines.append(
@@ -450,7 +480,7 @@ def plot(rs: list[Row], path: Path) -> None:
     cfgs = list(dict.fromkeys((r.workload, r.world, r.steps) for r in rs))
     fig, axes = plt.subplots(1, len(cfgs), figsize=(8 * len(cfgs), 5.5), squeeze=False)
     for ax, cfg in zip(axes[0], cfgs, strict=True):
-        w = WORKLOADS[cfg[0]]
+        w = workload_of(cfg[0])
         labelled = set()
         for r in (r for r in rs if (r.workload, r.world, r.steps) == cfg):
             label, colour, marker = COLOURS[r.method.split("-")[0]]
@@ -486,7 +516,7 @@ def plot(rs: list[Row], path: Path) -> None:
         ax.set(
             xlabel="bytes sent by one rank, whole run (log)",
             ylabel=f"{w.metric}, mean ± sd ({better} is better)",
-            title=f"{w.title}\n{cfg[1]} ranks, {cfg[2]} steps",
+            title=f"{cfg[0]}: {w.title}\n{cfg[1]} ranks, {cfg[2]} steps",
         )
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
@@ -506,7 +536,7 @@ def report(paths: list[Path]) -> list[Row]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workload", choices=["gpt", "cnn"], default="gpt")
+    parser.add_argument("--workload", choices=["gpt", "gpt-cosine", "cnn"], default="gpt")
     parser.add_argument(
         "--methods",
         nargs="+",
@@ -528,7 +558,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.report:
         report(args.report)
         return
-    steps = args.steps or WORKLOADS[args.workload].steps
+    steps = args.steps or workload_of(args.workload).steps
     command = "python bench/local_steps.py " + " ".join(sys.argv[1:] if argv is None else argv)
     os.environ["OMP_NUM_THREADS"] = "1"
     lighthouse = None
