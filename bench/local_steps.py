@@ -12,6 +12,10 @@ Run (PYTHONPATH=src, or an installed checkout; ``OMP_NUM_THREADS=1`` is set for 
       --out bench/results/local_steps_gpt300.json
   python bench/local_steps.py --workload gpt --world 4 --steps 1000 --seeds 0 \\
       --methods dense local-H10 --out bench/results/local_steps_gpt1000_w4.json
+  python bench/local_steps.py --workload gpt --world 8 --steps 600 --seeds 0 1 2 \\
+      --methods dense local-H10 local-H10-lr4.0 --out bench/results/local_steps_w8.json
+  python bench/local_steps.py --workload gpt-cosine --steps 300 --seeds 0 1 2 \\
+      --methods dense local-H10 diloco-dense --out bench/results/local_steps_cosine300.json
   python bench/local_steps.py --workload cnn --seeds 0 1 --methods dense local-H10 \\
       --out bench/results/local_steps_cnn.json
   python bench/local_steps.py --report bench/results/local_steps_gpt1000.json   (table + plot)
