@@ -43,6 +43,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gradshare import codec
 from gradshare.distributed import exchange
 from gradshare.distributed.exchange import ExchangeError
 from gradshare.distributed.local_steps import state as state_io
@@ -212,10 +213,13 @@ class Member:
             return None
         owed = []
         for enc, p, g in zip(ls.encoders, ls.params, ls.global_params, strict=False):
-            d = g.detach().to(ls.home, torch.float32).reshape(-1)
-            d = d - p.detach().to(ls.home, torch.float32).reshape(-1)
-            if enc.residual is not None:
-                d.add_(enc.residual, alpha=ls.decay)
+            local = p.detach().to(ls.home, torch.float32).reshape(-1)
+            start = g.detach().reshape(-1).to(torch.float32)
+            d = torch.empty_like(local)
+            if enc.residual is None:
+                codec.subtract_(start, local, d)
+            else:  # the Δ pass's own kernel: the residual stays as it is
+                codec.decay_into_(enc.residual, ls.decay, d, start, local)
             owed.append(d)
         return owed
 
