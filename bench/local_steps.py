@@ -111,15 +111,16 @@ _TORCHFT_RUNS = itertools.count()
 """torchft runs in this rank so far: each run's replicas join the lighthouse under new ids."""
 
 
-SCHEDULED = ("gpt-cosine",)
-"""Workloads with an LR schedule: ``gpt-cosine`` is ``gpt`` whose inner lr warms up linearly
-over the first 10 % of the steps, then follows a cosine down to 10 % of its peak (a
-fine-tuning run's schedule; ``LambdaLR`` on the inner optimizer, stepped after each step)."""
+SCHEDULED = {"gpt-cosine": "gpt"}
+"""Workloads with an LR schedule, and the workload each runs: ``gpt-cosine`` is ``gpt`` whose
+inner lr warms up linearly over the first 10 % of the steps, then follows a cosine down to
+10 % of its peak (a fine-tuning run's schedule; ``LambdaLR`` on the inner optimizer, stepped
+after each step)."""
 
 
 def workload_of(name: str) -> Workload:
     """The workload a name runs (``gpt-cosine``: ``gpt``'s model, data and optimizer)."""
-    return WORKLOADS[name.removesuffix("-cosine")]
+    return WORKLOADS[SCHEDULED.get(name, name)]
 
 
 def _schedule(name: str, opt: torch.optim.Optimizer, steps: int) -> Any:
@@ -540,7 +541,7 @@ def report(paths: list[Path]) -> list[Row]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workload", choices=["gpt", "gpt-cosine", "cnn"], default="gpt")
+    parser.add_argument("--workload", choices=["gpt", *SCHEDULED, "cnn"], default="gpt")
     parser.add_argument(
         "--methods",
         nargs="+",
