@@ -75,8 +75,9 @@ def _batch(ids: torch.Tensor, a: argparse.Namespace, rank: int, step: int) -> An
 def _validation_loss(model: torch.nn.Module, ids: torch.Tensor, context: int) -> float:
     g = torch.Generator().manual_seed(12345)
     model.eval()
-    losses = [float(lm_loss(model(x), y)) for x, y in (text_batch(ids, 16, context, g)
-                                                        for _ in range(4))]  # fmt: skip
+    losses = [
+        float(lm_loss(model(x), y)) for x, y in (text_batch(ids, 16, context, g) for _ in range(4))
+    ]
     return statistics.mean(losses)
 
 
@@ -107,10 +108,12 @@ def worker(a: argparse.Namespace) -> None:
     if elastic:
         rank, world = a.replica, a.world
         _log(folder, rank, event="start")
-        config = gradshare.Elastic(a.lighthouse, replica_id=f"r{rank}", min_replicas=2,
-                                   hostname="127.0.0.1")  # fmt: skip
-        sync = gradshare.LocalSteps(model, inner, sync_every=a.sync_every, elastic=config,
-                                    timeout=a.timeout)  # fmt: skip
+        config = gradshare.Elastic(
+            a.lighthouse, replica_id=f"r{rank}", min_replicas=2, hostname="127.0.0.1"
+        )
+        sync = gradshare.LocalSteps(
+            model, inner, sync_every=a.sync_every, elastic=config, timeout=a.timeout
+        )
         t = sync._private.transport
         if sync._private.healed:
             _log(folder, rank, event="healed", step=sync.steps, seconds=t.seconds, bytes=t.bytes)
@@ -129,8 +132,14 @@ def worker(a: argparse.Namespace) -> None:
                 inner.load_state_dict(state["inner"])
                 sync.load_state_dict(state["sync"])
                 size = (folder / "ckpt" / f"step{step:06d}" / f"rank{rank}.pt").stat().st_size
-                _log(folder, rank, event="resumed", step=step,
-                     seconds=time.monotonic() - start, bytes=size)  # fmt: skip
+                _log(
+                    folder,
+                    rank,
+                    event="resumed",
+                    step=step,
+                    seconds=time.monotonic() - start,
+                    bytes=size,
+                )
     kills = set(a.kills) if a.run in ("restart", "train-on") and rank == world - 1 else set()
     while sync.steps < a.steps and not sync.left:
         step = sync.steps
@@ -148,15 +157,28 @@ def worker(a: argparse.Namespace) -> None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         syncs = sync.syncs
         inner.step()
-        _log(folder, rank, event="step", step=sync.steps, seconds=time.monotonic() - began,
-             synced=sync.syncs > syncs, loss=loss.item())  # fmt: skip
+        _log(
+            folder,
+            rank,
+            event="step",
+            step=sync.steps,
+            seconds=time.monotonic() - began,
+            synced=sync.syncs > syncs,
+            loss=loss.item(),
+        )
         if a.run == "restart" and sync.steps % a.save_every == 0:
-            state = {"model": model.state_dict(), "inner": inner.state_dict(),
-                     "sync": sync.state_dict()}  # fmt: skip
+            state = {
+                "model": model.state_dict(),
+                "inner": inner.state_dict(),
+                "sync": sync.state_dict(),
+            }
             save(folder / "ckpt", sync.steps, rank, state)
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    done = {"step": sync.steps, "crc": zlib.crc32(flat.numpy().tobytes()),
-            "bytes_sent": sync.bytes_sent}  # fmt: skip
+    done = {
+        "step": sync.steps,
+        "crc": zlib.crc32(flat.numpy().tobytes()),
+        "bytes_sent": sync.bytes_sent,
+    }
     if rank == 0:
         done["val_loss"] = _validation_loss(model, val, a.context)
     _log(folder, rank, event="done", **done)
@@ -169,17 +191,39 @@ def worker(a: argparse.Namespace) -> None:
 
 
 def _worker_args(a: argparse.Namespace, run: str, folder: Path) -> list[str]:
-    keep = ["--size", a.size, "--world", a.world, "--steps", a.steps, "--sync-every",
-            a.sync_every, "--batch", a.batch, "--context", a.context, "--save-every",
-            a.save_every, "--timeout", a.timeout, "--kills", *a.kills]  # fmt: skip
+    keep = [
+        "--size",
+        a.size,
+        "--world",
+        a.world,
+        "--steps",
+        a.steps,
+        "--sync-every",
+        a.sync_every,
+        "--batch",
+        a.batch,
+        "--context",
+        a.context,
+        "--save-every",
+        a.save_every,
+        "--timeout",
+        a.timeout,
+        "--kills",
+        *a.kills,
+    ]
     return [str(HERE / "elastic.py"), "--worker", run, "--folder", str(folder), *map(str, keep)]
 
 
 def _env() -> dict[str, str]:
     src = str(HERE.parent / "src")
     path = os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")]))
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, "RUST_LOG": "warn",
-            "GLOO_SOCKET_IFNAME": "lo"}  # fmt: skip
+    return {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": path,
+        "RUST_LOG": "warn",
+        "GLOO_SOCKET_IFNAME": "lo",
+    }
 
 
 def events(folder: Path, rank: int) -> list[dict[str, Any]]:
@@ -190,10 +234,21 @@ def events(folder: Path, rank: int) -> list[dict[str, Any]]:
 
 
 def _torchrun(a: argparse.Namespace, run: str, folder: Path) -> None:
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                f"--nproc_per_node={a.world}", f"--max-restarts={len(a.kills)}"]  # fmt: skip
-    subprocess.run([*launcher, *_worker_args(a, run, folder)], env=_env(), check=True,
-                   timeout=a.limit, stdout=subprocess.DEVNULL)  # fmt: skip
+    launcher = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={a.world}",
+        f"--max-restarts={len(a.kills)}",
+    ]
+    subprocess.run(
+        [*launcher, *_worker_args(a, run, folder)],
+        env=_env(),
+        check=True,
+        timeout=a.limit,
+        stdout=subprocess.DEVNULL,
+    )
 
 
 def _train_on(a: argparse.Namespace, run: str, folder: Path) -> None:
@@ -201,13 +256,15 @@ def _train_on(a: argparse.Namespace, run: str, folder: Path) -> None:
     later."""
     from torchft._torchft import LighthouseServer
 
-    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=60_000,
-                                  heartbeat_timeout_ms=2000)  # fmt: skip
+    lighthouse = LighthouseServer(
+        bind="[::]:0", min_replicas=2, join_timeout_ms=60_000, heartbeat_timeout_ms=2000
+    )
     args = [*_worker_args(a, run, folder), "--lighthouse", lighthouse.address()]
 
     def start(r: int) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, *args, "--replica", str(r)], env=_env(),
-                                stdout=subprocess.DEVNULL)  # fmt: skip
+        return subprocess.Popen(
+            [sys.executable, *args, "--replica", str(r)], env=_env(), stdout=subprocess.DEVNULL
+        )
 
     procs = [start(r) for r in range(a.world)]
     deadline = time.monotonic() + a.limit
@@ -270,9 +327,24 @@ def _summary(a: argparse.Namespace, run: str, folder: Path, wall: float) -> dict
 
 
 def run_all(a: argparse.Namespace) -> dict[str, Any]:
-    results: dict[str, Any] = {"environment": environment(), "config": {
-        k: getattr(a, k) for k in ("size", "world", "steps", "sync_every", "batch", "context",
-                                   "save_every", "kills", "down", "timeout")}}  # fmt: skip
+    results: dict[str, Any] = {
+        "environment": environment(),
+        "config": {
+            k: getattr(a, k)
+            for k in (
+                "size",
+                "world",
+                "steps",
+                "sync_every",
+                "batch",
+                "context",
+                "save_every",
+                "kills",
+                "down",
+                "timeout",
+            )
+        },
+    }
     results["command"] = "python bench/elastic.py " + " ".join(sys.argv[1:])
     work = Path(a.work)
     for run in a.runs:
@@ -298,9 +370,20 @@ def report(path: Path) -> None:
     r = json.loads(path.read_text())
     base = {"restart": "plain", "train-on": "elastic"}
     ref = r.get("plain", {}).get("val_loss")
-    head = ("run", "wall s", "failures", "wall s lost / failure", "rank-steps lost / failure",
-            "step ms", "sync step ms", "heal or load s", "MB", "val loss", "vs plain",
-            "identical")  # fmt: skip
+    head = (
+        "run",
+        "wall s",
+        "failures",
+        "wall s lost / failure",
+        "rank-steps lost / failure",
+        "step ms",
+        "sync step ms",
+        "heal or load s",
+        "MB",
+        "val loss",
+        "vs plain",
+        "identical",
+    )
     print("| " + " | ".join(head) + " |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for run in RUNS:
@@ -313,22 +396,29 @@ def report(path: Path) -> None:
         moved_s = _mean(s["heal_s"]) or _mean(s["load_s"])
         moved_b = _mean(s["heal_bytes"]) or _mean(s["load_bytes"])
         cells = [
-            run, f"{s['wall_s']:.1f}", str(n), "" if cost is None else f"{cost:.1f}",
+            run,
+            f"{s['wall_s']:.1f}",
+            str(n),
+            "" if cost is None else f"{cost:.1f}",
             f"{s['rank_steps_lost'] / n:.1f}" if n else "",
-            f"{s['step_ms']:.0f}", f"{s['sync_step_ms']:.0f}",
+            f"{s['step_ms']:.0f}",
+            f"{s['sync_step_ms']:.0f}",
             "" if moved_s is None else f"{moved_s:.3f}",
             "" if moved_b is None else f"{moved_b / 1e6:.1f}",
-            f"{s['val_loss']:.4f}", f"{s['val_loss'] / ref:.4f}x" if ref else "",
+            f"{s['val_loss']:.4f}",
+            f"{s['val_loss'] / ref:.4f}x" if ref else "",
             str(s["identical_at_end"]),
-        ]  # fmt: skip
+        ]
         print("| " + " | ".join(cells) + " |")
     if "plain" in r and "elastic" in r:
         p, e = r["plain"], r["elastic"]
         steps = r["config"]["steps"]
-        print(f"\nfault-free step time, elastic / plain: between syncs "
-              f"{e['step_ms'] / p['step_ms']:.3f}x, sync steps "
-              f"{e['sync_step_ms'] / p['sync_step_ms']:.3f}x, wall per step "
-              f"{(e['wall_s'] / steps) / (p['wall_s'] / steps):.3f}x")  # fmt: skip
+        print(
+            f"\nfault-free step time, elastic / plain: between syncs "
+            f"{e['step_ms'] / p['step_ms']:.3f}x, sync steps "
+            f"{e['sync_step_ms'] / p['sync_step_ms']:.3f}x, wall per step "
+            f"{(e['wall_s'] / steps) / (p['wall_s'] / steps):.3f}x"
+        )
     _plot(r, path.with_suffix(".png"))
 
 
@@ -339,15 +429,23 @@ def _plot(r: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    colors = {"plain": "tab:gray", "elastic": "tab:blue", "restart": "tab:red",
-              "train-on": "tab:green"}  # fmt: skip
+    colors = {
+        "plain": "tab:gray",
+        "elastic": "tab:blue",
+        "restart": "tab:red",
+        "train-on": "tab:green",
+    }
     for run in RUNS:
         s = r.get(run)
         if not s or not s["progress"]:
             continue
         t0 = s["progress"][0][0]
-        ax.plot([t - t0 for t, _ in s["progress"]], [k for _, k in s["progress"]],
-                label=run, color=colors[run])  # fmt: skip
+        ax.plot(
+            [t - t0 for t, _ in s["progress"]],
+            [k for _, k in s["progress"]],
+            label=run,
+            color=colors[run],
+        )
         for t in s["kill_times"]:
             ax.axvline(t - t0, color=colors[run], linestyle=":", linewidth=1)
     c = r["config"]

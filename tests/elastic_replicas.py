@@ -50,11 +50,23 @@ def replica(index: int, lighthouse: str, folder: str, plan: dict[str, Any]) -> N
     try:
         model = toy_model(seed=index)
         inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        elastic = Elastic(lighthouse, replica_id=f"r{index}", min_replicas=plan.get("min", 2),
-                          join_timeout=plan.get("join", 20), hostname="127.0.0.1")  # fmt: skip
+        elastic = Elastic(
+            lighthouse,
+            replica_id=f"r{index}",
+            min_replicas=plan.get("min", 2),
+            join_timeout=plan.get("join", 20),
+            hostname="127.0.0.1",
+        )
         sync = LocalSteps(model, inner, sync_every=10, elastic=elastic, timeout=TIMEOUT)
-        _log(log, event="joined", step=sync.steps, syncs=sync.syncs, crc=_crc(model),
-             world=sync._protocol.world, healed=sync._private.healed)  # fmt: skip
+        _log(
+            log,
+            event="joined",
+            step=sync.steps,
+            syncs=sync.syncs,
+            crc=_crc(model),
+            world=sync._protocol.world,
+            healed=sync._private.healed,
+        )
         batches = toy_batches(plan["steps"], seed=100 + index)
         recorded: dict[str, Any] = {}
         if plan.get("record") is not None:
@@ -76,12 +88,25 @@ def replica(index: int, lighthouse: str, folder: str, plan: dict[str, Any]) -> N
             syncs, began = sync.syncs, time.monotonic()
             inner.step()
             if sync.syncs > syncs:
-                _log(log, event="synced", step=sync.steps, syncs=sync.syncs, crc=_crc(model),
-                     seconds=time.monotonic() - began)  # fmt: skip
+                _log(
+                    log,
+                    event="synced",
+                    step=sync.steps,
+                    syncs=sync.syncs,
+                    crc=_crc(model),
+                    seconds=time.monotonic() - began,
+                )
         if recorded:
             torch.save(recorded, Path(folder) / f"replica{index}-leave.pt")
-        _log(log, event="done", step=sync.steps, syncs=sync.syncs, crc=_crc(model),
-             left=sync.left, bytes=sync.bytes_sent)  # fmt: skip
+        _log(
+            log,
+            event="done",
+            step=sync.steps,
+            syncs=sync.syncs,
+            crc=_crc(model),
+            left=sync.left,
+            bytes=sync.bytes_sent,
+        )
         sync.close()
     except BaseException as e:
         _log(log, event="error", error=f"{type(e).__name__}: {e}", tb=traceback.format_exc())
@@ -108,8 +133,9 @@ def _record_leave(sync: Any, into: dict[str, Any]) -> None:
     for i, enc in enumerate(sync.encoders):
         whole = enc.encode_whole
 
-        def recorded(update: Any, iteration: int, enc: Any = enc, whole: Any = whole,
-                     i: int = i) -> Any:  # fmt: skip
+        def recorded(
+            update: Any, iteration: int, enc: Any = enc, whole: Any = whole, i: int = i
+        ) -> Any:
             owed = enc.residual.clone()
             message = whole(update, iteration)
             into[i] = {"owed": owed, "piece": message.clone(), "after": enc.residual.clone()}

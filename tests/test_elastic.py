@@ -151,11 +151,25 @@ def test_the_example_trains_on_with_elastic(lighthouse: str, tmp_path: Path) -> 
     args = ["--steps", "20", "--epochs", "1"]
 
     def start(i: int) -> subprocess.Popen[str]:
-        command = [sys.executable, script, "--elastic", lighthouse, "--replica", str(i), *args,
-                   "--out", tmp_path / f"replica{i}.pt"]  # fmt: skip
-        return subprocess.Popen(command, cwd=root, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True,
-                                env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+        command = [
+            sys.executable,
+            script,
+            "--elastic",
+            lighthouse,
+            "--replica",
+            str(i),
+            *args,
+            "--out",
+            tmp_path / f"replica{i}.pt",
+        ]
+        return subprocess.Popen(
+            command,
+            cwd=root,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
 
     procs = [start(i) for i in range(2)]
     outs = [p.communicate(timeout=60)[0] for p in procs]

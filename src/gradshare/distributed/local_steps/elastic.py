@@ -112,8 +112,10 @@ class Elastic:
             raise ValueError(f"Expect `join_timeout` > 0, got {join_timeout}.")
         heal = dict(heal or {})
         for name, obj in heal.items():
-            if not (callable(getattr(obj, "state_dict", None))
-                    and callable(getattr(obj, "load_state_dict", None))):  # fmt: skip
+            if not (
+                callable(getattr(obj, "state_dict", None))
+                and callable(getattr(obj, "load_state_dict", None))
+            ):
                 raise TypeError(
                     f"Expect every `heal` value to have state_dict() and load_state_dict(), "
                     f"got {type(obj).__name__} for {name!r}."
@@ -182,8 +184,13 @@ class Member:
         """What a joining rank takes from this one: the shared parts of LocalSteps' state,
         the inner optimizer's state, and the other things to heal."""
         saved = state_io.state_dict(self.ls)
-        mine = {**saved, "encoders": [{**e, "residual": None} for e in saved["encoders"]],
-                "base": None, "bytes_sent": 0, "dense_bytes": 0}  # fmt: skip
+        mine = {
+            **saved,
+            "encoders": [{**e, "residual": None} for e in saved["encoders"]],
+            "base": None,
+            "bytes_sent": 0,
+            "dense_bytes": 0,
+        }
         extra = {name: obj.state_dict() for name, obj in self.config.heal.items()}
         return {"local_steps": mine, "inner": self.ls.inner.state_dict(), "extra": extra}
 
@@ -208,8 +215,9 @@ class Member:
         """β·residual + (global copy - replica) per encoder, as a sync computes it."""
         ls = self.ls
         if not ls.encoders:
-            logger.warning("LocalSteps: dense syncs keep no residual; the round this rank "
-                           "missed is dropped")  # fmt: skip
+            logger.warning(
+                "LocalSteps: dense syncs keep no residual; the round this rank missed is dropped"
+            )
             return None
         owed = []
         for enc, p, g in zip(ls.encoders, ls.params, ls.global_params, strict=False):
@@ -240,8 +248,12 @@ class Member:
         rank, world = self.manager.participating_rank(), self.manager.num_participants()
         if self.healed:
             t = self.transport
-            logger.info("LocalSteps: healed from a peer at step %d: %.1f MB in %.3f s",
-                        self.ls.steps, t.bytes / 1e6, t.seconds)  # fmt: skip
+            logger.info(
+                "LocalSteps: healed from a peer at step %d: %.1f MB in %.3f s",
+                self.ls.steps,
+                t.bytes / 1e6,
+                t.seconds,
+            )
         if rank is None:
             raise ExchangeError("LocalSteps: this rank is not part of the quorum (a spare).")
         pg = self.manager._pg
@@ -313,8 +325,9 @@ def sync(ls: LocalSteps, frag: Fragment, member: Member, wait: timedelta | None 
             frag.put_back(before)
             frag.received = None  # pieces held for plain SGD's step: not this round's now
             failure = RuntimeError("a rank of the quorum failed the round")
-        logger.info("LocalSteps: round %d failed (%s); again with the next quorum",
-                    ls.syncs, failure)  # fmt: skip
+        logger.info(
+            "LocalSteps: round %d failed (%s); again with the next quorum", ls.syncs, failure
+        )
     member.committed = True
     ls.bytes_sent += sent
     ls._step(frag)
@@ -330,13 +343,15 @@ def _left(deadline: float) -> timedelta:
     return timedelta(seconds=max(0.1, deadline - time.monotonic()))
 
 
-def _give_up(ls: LocalSteps, member: Member, wait: timedelta, world: int,
-             failure: BaseException) -> None:  # fmt: skip
+def _give_up(
+    ls: LocalSteps, member: Member, wait: timedelta, world: int, failure: BaseException
+) -> None:
     few = member.config.min_replicas
     why = (
         f"the quorum had {world} rank(s), fewer than the {few} of `min_replicas`"
-        if world < few else str(failure)
-    )  # fmt: skip
+        if world < few
+        else str(failure)
+    )
     raise ExchangeError(
         f"LocalSteps sync round {ls.syncs}: no quorum committed the round within "
         f"{wait.total_seconds():g} s: {why}."
@@ -381,8 +396,9 @@ def _weights_only_transport(timeout: timedelta) -> Any:
             with urllib.request.urlopen(address, timeout=timeout.total_seconds()) as f:
                 return _streaming_load(f, weights_only=True)
 
-        def recv_checkpoint(self, src_rank: int, metadata: str, step: int,
-                            timeout: timedelta) -> Any:  # fmt: skip
+        def recv_checkpoint(
+            self, src_rank: int, metadata: str, step: int, timeout: timedelta
+        ) -> Any:
             start = time.monotonic()
             state = super().recv_checkpoint(src_rank, metadata, step, timeout)
             self.seconds = time.monotonic() - start

@@ -109,9 +109,7 @@ def _check_shared(olds: list[dict[str, Any]], names: list[str]) -> None:
     """Refuse states whose shared parts differ, naming the two files and the part."""
     first = olds[0]
     for state, name in zip(olds[1:], names[1:], strict=True):
-        settings = [
-            k for k in LOADED if state["settings"].get(k) != first["settings"].get(k)
-        ]  # fmt: skip
+        settings = [k for k in LOADED if state["settings"].get(k) != first["settings"].get(k)]
         differ = [f"`settings` {k}" for k in settings]
         differ += [f"`{k}`" for k in _SHARED if not _equal(state[k], first[k])]
         if differ:
@@ -126,9 +124,12 @@ def _equal(a: Any, b: Any) -> bool:
     """Equal to the bit, through dicts, lists and tensors."""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return (
-            isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
-            and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
-        )  # fmt: skip
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and torch.equal(a, b)
+        )
     if isinstance(a, Mapping) and isinstance(b, Mapping):
         return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
@@ -185,9 +186,14 @@ def _fold(ls: LocalSteps, olds: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _folded_base(
-    olds: list[dict[str, Any]], j: int, gone: list[int], carry: Any, scale: float, held: Any,
+    olds: list[dict[str, Any]],
+    j: int,
+    gone: list[int],
+    carry: Any,
+    scale: float,
+    held: Any,
     sizes: list[int],
-) -> torch.Tensor | None:  # fmt: skip
+) -> torch.Tensor | None:
     """This rank's base: its carries and those of the ranks gone to it, scaled; the send
     point of the round in flight as it saved it (a new rank: set at the merge)."""
     if not isinstance(olds[0]["base"], torch.Tensor):
