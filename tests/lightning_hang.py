@@ -1,6 +1,6 @@
 """A Lightning fit whose rank 0 hangs: how long rank 1 waits (run by tests/test_integrations.py).
 
-    python tests/lightning_hang.py DONE_FILE
+    torchrun --standalone --nproc_per_node=2 tests/lightning_hang.py DONE_FILE
 
 ``examples/lightning_ddp.py``'s module on 2 CPU processes with
 ``GradshareDDPStrategy(share="local", sync_every=100, gradshare_timeout=TIMEOUT)``: no sync falls
@@ -27,9 +27,10 @@ from lightning_ddp import DigitsMLP
 from gradshare.integrations import GradshareDDPStrategy
 
 HANG_AT = 2
-TIMEOUT = 30
-"""gradshare_timeout: also the process group's, which bounds its start too (rank 1 joins only
-once Lightning's launcher started it and it imported everything: seconds, more under load)."""
+TIMEOUT = 10
+"""gradshare_timeout: also the process group's, which bounds its start too. torchrun starts
+both ranks at once, so they meet within seconds even under load; Lightning's own launcher
+starts rank 1 only once rank 0 imported everything, which needed 30 s here."""
 
 
 class Hang(L.Callback):

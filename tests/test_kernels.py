@@ -336,7 +336,7 @@ AVX2_ONLY = (
     "import torch\n"
     "from gradshare import codec\n"
     "from gradshare.codec import encode_sparse_, encode_bitmap_, decode_\n"
-    "for dtype in (torch.float32, torch.float64):\n"
+    "for dtype in (torch.float32,):\n"
     "    g = torch.Generator().manual_seed(0)\n"
     "    x = (torch.randn(3 * 65536 + 77, generator=g) * 1e-3).to(dtype)\n"
     "    x[65536:65536 + 30000] *= 40\n"
@@ -385,7 +385,9 @@ def without_avx512(
 
 def test_kernels_without_avx512(without_avx512: subprocess.Popen[str] | None) -> None:
     """Compiled for a CPU without AVX-512 (LLVM then expands the vector compress), the kernels
-    still equal the torch path bit for bit. Runs in a fresh process with its own numba cache."""
+    still equal the torch path bit for bit. Runs in a fresh process with its own numba cache.
+    float32 only: the models' type, and its compress the widest (16 lanes); compiling the
+    float64 kernels too doubled the process's 15 s of compilation."""
     assert without_avx512 is not None
     out, err = without_avx512.communicate(timeout=600)
     assert without_avx512.returncode == 0, err[-3000:]

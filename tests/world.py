@@ -38,7 +38,16 @@ import torch.multiprocessing as mp
 if TYPE_CHECKING:  # the ranks import this module: not pytest too
     import pytest
 
-_PRELOAD = ["torch", "torch.distributed", "gradshare", "gradshare.distributed", "world"]
+_PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "torch._dynamo",
+    "gradshare",
+    "gradshare.distributed",
+    "world",
+]
+"""What the forkserver imports once. torch._dynamo too: torch imports it the first time any
+optimizer is built (1.2 s of CPU a process here), and it starts no thread."""
 
 
 def _context() -> Any:
