@@ -5,7 +5,10 @@ numba compiles a kernel on its first call in a process and caches it on disk. In
 clone the cache is empty, so every rank, example and launch the tests start early on would
 compile the same kernels at once (~38 s of CPU for all of them, per process). The main pytest
 process (not the xdist workers) runs every codec step once in two processes side by side, the
-parallel kernels in one and their serial twins in the other, and waits for both.
+parallel kernels in one and their serial twins in the other (65 s and 22 s of one core in a
+fresh clone). The tests start meanwhile: a test marked ``torch_ops`` (its launches run the
+torch ops, bit for bit the kernels', ``GRADSHARE_KERNELS=0``) goes at once; any other waits
+until the cache is filled (:func:`_kernels_cached`).
 
 xdist's ``loadfile`` hands out whole modules; left to itself it orders them by their number
 of tests, which put the modules that launch the most processes (few tests, each a minute)
@@ -17,6 +20,9 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -35,7 +41,17 @@ else:
 """
 
 
+WARMED = "GRADSHARE_TESTS_WARMED"
+"""The environment variable naming the file that says the cache is filled (empty) or why
+filling it failed; the workers inherit it."""
+
+
 def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "torch_ops: the test's launches run the torch ops (GRADSHARE_KERNELS=0), so it need "
+        "not wait for numba's cache",
+    )
     # Two xdist workers share two cores, and each runs torch ops and parallel kernels on
     # OpenMP threads of its own. OpenMP's threads spin for a while when a parallel region
     # ends, on cores the other worker needs: the in-process modules took 31 s spinning and
@@ -55,10 +71,50 @@ def pytest_configure(config: pytest.Config) -> None:
         )
         for kind, n in threads.items()
     ]
-    for proc in procs:
-        _, err = proc.communicate(timeout=300)
-        if proc.returncode != 0:  # the kernel tests will say what is wrong
-            sys.stderr.write(f"warming numba's cache failed:\n{err.decode()[-2000:]}\n")
+    done = Path(tempfile.mkdtemp(prefix="gradshare-warm-")) / "done"
+    os.environ[WARMED] = str(done)
+
+    def wait() -> None:  # writes `done` once both have ended, the errors in it
+        errors = ""
+        for proc in procs:
+            _, err = proc.communicate(timeout=300)
+            if proc.returncode != 0:  # the kernel tests will say what is wrong
+                errors += f"warming numba's cache failed:\n{err.decode()[-2000:]}\n"
+        done.with_suffix(".tmp").write_text(errors)
+        done.with_suffix(".tmp").replace(done)
+
+    global _waiter
+    _waiter = threading.Thread(target=wait, daemon=True)
+    _waiter.start()
+
+
+_waiter: threading.Thread | None = None
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """A short run ends once the cache is filled, not with its compilers left running."""
+    if _waiter is not None:
+        _waiter.join(timeout=300)
+
+
+_cached = False
+
+
+@pytest.fixture(autouse=True)
+def _kernels_cached(request: pytest.FixtureRequest) -> None:
+    """Unless the test is marked ``torch_ops``, wait until numba's cache is filled (at most
+    300 s; then the test compiles what it needs itself)."""
+    global _cached
+    path = os.environ.get(WARMED)
+    if _cached or path is None or request.node.get_closest_marker("torch_ops"):
+        return
+    deadline = time.monotonic() + 300
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    _cached = True
+    errors = Path(path).read_text() if os.path.exists(path) else "it took over 300 s\n"
+    if errors:
+        sys.stderr.write(errors)
 
 
 SECONDS = {

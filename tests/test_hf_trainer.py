@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,15 +24,7 @@ import torch
 from test_integrations import INSTALL, ROOT, TORCHRUN, WORLD, run_example, run_script
 
 STEPS = ["--steps", "10"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _torch_kernels() -> Iterator[None]:
-    """The torch ops, bit for bit the kernels', without numba's compilation in every rank (for
-    every process this module starts)."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("GRADSHARE_KERNELS", "0")
-        yield
+pytestmark = pytest.mark.torch_ops  # run_script's launches run the torch ops
 
 
 @dataclass

@@ -32,8 +32,10 @@ def run_script(
     path: Path, *args: str | Path, launcher: tuple[str, ...] = ()
 ) -> subprocess.CompletedProcess[str]:
     """Run a script of this checkout with its ``src`` importable, one thread per process
-    (``launcher``: the module that starts it, e.g. torchrun's)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    (``launcher``: the module that starts it, e.g. torchrun's), on the torch ops (bit for bit
+    the kernels'), so that its processes need not compile or load numba's kernels: the
+    tests that run it are marked ``torch_ops``."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GRADSHARE_KERNELS": "0"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
     return subprocess.run(
         [sys.executable, *launcher, str(path), *map(str, args)],
@@ -197,6 +199,7 @@ def runs(
         yield {name: pool.submit(job) for name, job in jobs.items()}
 
 
+@pytest.mark.torch_ops
 class TestLightning:
     """``GradshareDDPStrategy``, sharing gradients (the hook), updates (SharedOptimizer) or
     local steps: a fit resumed from a checkpoint ends at the parameters of the fit that ran
@@ -346,6 +349,7 @@ class TestLightning:
             GradshareDDPStrategy(ddp_comm_hook=lambda state, bucket: None)
 
 
+@pytest.mark.torch_ops
 class TestAccelerate:
     """``register_rank_checkpointing``: ``save_state`` mid-epoch, ``load_state`` in new
     processes, and the run ends at the parameters of the straight run and of plain DDP
