@@ -45,15 +45,6 @@ def torchrun(script: str, *args: str | Path, restarts: int = 0) -> subprocess.Co
 STEPS = ["--epochs", "1", "--steps", "20", "--save-every", "5"]
 
 
-def _killed(tmp: Path) -> dict[str, Any]:
-    """A run killed at step 12, and the checkpoints it left."""
-    ckpt = tmp / "ckpt"
-    crashed = torchrun(
-        "torchrun_shared.py", *STEPS, "--checkpoint-dir", ckpt, "--crash-at-step", "12"
-    )
-    return {"crashed": crashed, "saved": sorted(d.name for d in ckpt.iterdir()), "ckpt": ckpt}
-
-
 @pytest.fixture(scope="module")
 def launched(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
@@ -62,14 +53,11 @@ def launched(
     seconds starting its agent and then its workers, so they overlap): the test waits for its
     own and asserts on it."""
     jobs: dict[str, Callable[[], Any]] = {}
-    if selected(request, "test_killed_run_resumes_to_the_uninterrupted_result") or selected(
-        request, "test_elastic_restart_resumes_to_the_uninterrupted_result"
-    ):
+    resumes = ["test_elastic_restart_resumes_to_the_uninterrupted_result"]
+    resumes.append("test_a_damaged_newest_checkpoint_falls_back_alike")
+    if any(selected(request, test) for test in resumes):
         out = tmp_path_factory.mktemp("whole") / "whole.pt"
         jobs["whole"] = partial(torchrun, "torchrun_shared.py", *STEPS, "--out", out)
-    if selected(request, "test_killed_run_resumes_to_the_uninterrupted_result"):
-        jobs["killed"] = partial(_killed, tmp_path_factory.mktemp("killed"))
-    if selected(request, "test_elastic_restart_resumes_to_the_uninterrupted_result"):
         tmp = tmp_path_factory.mktemp("elastic")
         crash = [
             "--checkpoint-dir",
@@ -95,35 +83,35 @@ def uninterrupted(launched: dict[str, Future[Any]]) -> torch.Tensor:
     return torch.load(out, weights_only=True)
 
 
-def test_killed_run_resumes_to_the_uninterrupted_result(
+def test_a_damaged_newest_checkpoint_falls_back_alike(
     tmp_path: Path, launched: dict[str, Future[Any]], uninterrupted: torch.Tensor
 ) -> None:
-    """A run killed at step 12 leaves the checkpoints of steps 5 and 10. A new launch resumes
-    from them; here rank 1's newest file is damaged (it could not be read and the run failed,
-    though the checkpoint before was whole): every rank falls back to step 5, alike, and the
-    run ends at the uninterrupted run's parameters, bit for bit. (The resume from step 10
-    itself: the elastic restart below.) On a copy of the killed run's checkpoints."""
-    killed = launched["killed"].result()
-    assert killed["crashed"].returncode != 0
-    assert killed["saved"] == ["step000005", "step000010"]
+    """On a copy of the elastic launch's checkpoints (steps 5 to 20), rank 1's newest file
+    damaged (it could not be read and the run failed, though the checkpoint before was
+    whole): every rank falls back to step 15, alike, and the run ends at the uninterrupted
+    run's parameters, bit for bit."""
+    run = launched["elastic"].result()
+    assert run.returncode == 0, run.stderr[-3000:]
     ckpt = tmp_path / "ckpt"
-    shutil.copytree(killed["ckpt"], ckpt)
-    (ckpt / "step000010" / "rank1.pt").write_bytes(b"PK\x03\x04 cut short")
+    shutil.copytree(run.args[run.args.index("--checkpoint-dir") + 1], ckpt)
+    assert sorted(d.name for d in ckpt.iterdir()) == [f"step{s:06d}" for s in (5, 10, 15, 20)]
+    (ckpt / "step000020" / "rank1.pt").write_bytes(b"PK\x03\x04 cut short")
     resumed = torchrun(
         "torchrun_shared.py", *STEPS, "--checkpoint-dir", ckpt, "--out", tmp_path / "resumed.pt"
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "step 10 is unreadable on some rank: falling back" in resumed.stdout
-    assert "resumed from step 5" in resumed.stdout
+    assert "step 20 is unreadable on some rank: falling back" in resumed.stdout
+    assert "resumed from step 15" in resumed.stdout
     assert torch.equal(torch.load(tmp_path / "resumed.pt", weights_only=True), uninterrupted)
 
 
 def test_elastic_restart_resumes_to_the_uninterrupted_result(
     launched: dict[str, Future[Any]], uninterrupted: torch.Tensor
 ) -> None:
-    """``torchrun --max-restarts=1``: the last rank dies at step 12 of the first attempt,
-    torchrun stops the other and starts both again, and they resume from the step-10
-    checkpoints to the uninterrupted run's parameters, bit for bit, in one launch."""
+    """``torchrun --max-restarts=1``: the last rank dies at step 12 of the first attempt
+    (killed, it leaves the checkpoints of steps 5 and 10), torchrun stops the other and
+    starts both again, and they resume from the step-10 checkpoints to the uninterrupted
+    run's parameters, bit for bit, in one launch."""
     run = launched["elastic"].result()
     assert run.returncode == 0, run.stderr[-3000:]
     assert "resumed from step 10" in run.stdout
