@@ -91,6 +91,9 @@ def reused(tmp: Path) -> dict[str, Any]:
     killed = RuntimeError("stopped after Trainer's files, before on_save")
     with mock.patch.object(GradshareCallback, "on_save", side_effect=killed):
         stopped = error_of(lambda: train(build(*other, "--steps", "5", "--save-steps", "5")))
+    # a relaunch starts once every rank has stopped: rank 1, which writes none of Trainer's
+    # files, reached on_save first and read rank 0's trainer_state.json before it was written
+    dist.barrier()
     resumed = error_of(lambda: train(build(*other, "--steps", "10"), out / "checkpoint-5"))
     return {"stopped": stopped, "resumed": resumed}
 
