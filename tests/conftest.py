@@ -87,8 +87,9 @@ def pytest_configure(config: pytest.Config) -> None:
             _, err = proc.communicate(timeout=300)
             if proc.returncode != 0:  # the kernel tests will say what is wrong
                 errors += f"warming numba's cache failed:\n{err.decode()[-2000:]}\n"
-        done.with_suffix(".tmp").write_text(errors)
-        done.with_suffix(".tmp").replace(done)
+        written = done.with_suffix(".tmp")
+        written.write_text(errors)
+        written.replace(done)
 
     global _waiter
     _waiter = threading.Thread(target=wait, daemon=True)

@@ -1,6 +1,6 @@
 """A Lightning fit whose rank 0 hangs: how long rank 1 waits (run by tests/test_integrations.py).
 
-    torchrun --standalone --nproc_per_node=2 tests/lightning_hang.py DONE_FILE
+    torchrun --standalone --nproc_per_node=2 tests/lightning_hang.py DONE_FILE TIMEOUT
 
 ``examples/lightning_ddp.py``'s module on 2 CPU processes with
 ``GradshareDDPStrategy(share="local", sync_every=100, gradshare_timeout=TIMEOUT)``: no sync falls
@@ -27,10 +27,6 @@ from lightning_ddp import DigitsMLP
 from gradshare.integrations import GradshareDDPStrategy
 
 HANG_AT = 2
-TIMEOUT = 10
-"""gradshare_timeout: also the process group's, which bounds its start too. torchrun starts
-both ranks at once, so they meet within seconds even under load; Lightning's own launcher
-starts rank 1 only once rank 0 imported everything, which needed 30 s here."""
 
 
 class Hang(L.Callback):
@@ -55,7 +51,10 @@ def main() -> None:
     torch.set_num_threads(1)
     hang = Hang(Path(sys.argv[1]))
     strategy = GradshareDDPStrategy(
-        share="local", sync_every=100, gradshare_timeout=TIMEOUT, process_group_backend="gloo"
+        share="local",
+        sync_every=100,
+        gradshare_timeout=float(sys.argv[2]),
+        process_group_backend="gloo",
     )
     trainer = L.Trainer(
         strategy=strategy,

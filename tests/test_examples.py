@@ -53,9 +53,9 @@ def launched(
     seconds starting its agent and then its workers, so they overlap): the test waits for its
     own and asserts on it."""
     jobs: dict[str, Callable[[], Any]] = {}
-    resumes = ["test_elastic_restart_resumes_to_the_uninterrupted_result"]
-    resumes.append("test_a_damaged_newest_checkpoint_falls_back_alike")
-    if any(selected(request, test) for test in resumes):
+    if selected(request, "test_elastic_restart_resumes_to_the_uninterrupted_result") or selected(
+        request, "test_a_damaged_newest_checkpoint_falls_back_alike"
+    ):
         out = tmp_path_factory.mktemp("whole") / "whole.pt"
         jobs["whole"] = partial(torchrun, "torchrun_shared.py", *STEPS, "--out", out)
         tmp = tmp_path_factory.mktemp("elastic")

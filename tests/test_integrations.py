@@ -161,11 +161,17 @@ def _accelerate_runs(tmp: Path) -> dict[str, Any]:
         return {"said": said, "tmp": tmp, "oracle": oracle.result()}
 
 
+HANG_TIMEOUT = 10
+"""``tests/lightning_hang.py``'s gradshare_timeout: also the process group's, which bounds its
+start too. torchrun starts both ranks at once, so they meet within seconds even under load;
+Lightning's own launcher starts rank 1 only once rank 0 imported everything, which needed
+30 s here."""
+
+
 def _hung_rank(tmp: Path) -> dict[str, Any]:
     """``tests/lightning_hang.py``: mostly waiting, so it runs beside the others."""
-    return {
-        "run": run_script(ROOT / "tests" / "lightning_hang.py", tmp / "done", launcher=TORCHRUN)
-    }
+    script = ROOT / "tests" / "lightning_hang.py"
+    return {"run": run_script(script, tmp / "done", HANG_TIMEOUT, launcher=TORCHRUN)}
 
 
 @pytest.fixture(scope="module")
@@ -327,16 +333,16 @@ class TestLightning:
     ) -> None:
         """Rank 0 hangs after step 2, with no sync due: rank 1 waits in Lightning's own
         per-step broadcast from rank 0 (its error swallowed by Lightning), which held it
-        torch's 30 minutes; now ``gradshare_timeout`` (10 s here) bounds the wait. The fit goes on
-        alone to its end, where the replicas are averaged (``LocalSteps.average``: the run
-        did not end on a sync); that finds the peer gone within the timeout too, and says
-        so, where the fit used to end with exit 0."""
+        torch's 30 minutes; now ``gradshare_timeout`` (:data:`HANG_TIMEOUT`) bounds the
+        wait. The fit goes on alone to its end, where the replicas are averaged
+        (``LocalSteps.average``: the run did not end on a sync); that finds the peer gone
+        within the timeout too, and says so, where the fit used to end with exit 0."""
         pytest.importorskip("lightning", reason=f"needs Lightning: {INSTALL}")
         run = runs["hang"].result()["run"]
         found = re.search(r"rank 1, ([\d.]+) s after step 2: (.*)", run.stdout)
         assert found, run.stdout[-2000:] + run.stderr[-3000:]
-        timeout = 10  # tests/lightning_hang.py's TIMEOUT
-        assert 2 * (timeout - 0.5) <= float(found.group(1)) < 2 * timeout + 30, run.stdout
+        waited = float(found.group(1))
+        assert 2 * (HANG_TIMEOUT - 0.5) <= waited < 2 * HANG_TIMEOUT + 30, run.stdout
         assert "the average of the replicas failed" in found.group(2), run.stdout
 
     def test_bad_settings_are_refused(self) -> None:
