@@ -18,12 +18,20 @@ Run (PYTHONPATH=src, or an installed checkout; ``OMP_NUM_THREADS=1`` is set for 
       --methods dense local-H10 diloco-dense --out bench/results/local_steps_cosine300.json
   python bench/local_steps.py --workload cnn --seeds 0 1 --methods dense local-H10 \\
       --out bench/results/local_steps_cnn.json
+  python bench/local_steps.py --workload gpt2 --world 2|4|8 --steps 600 --seeds 0 \\
+      --methods dense local-H10 local-H10-lr4.0 --out bench/results/local_steps_gpt2.json
+  python bench/local_steps.py --workload gpt --world 2|4|8 --steps 600 --seeds 0 \\
+      --methods dense local-H10-d1 local-H10-d2 local-H10 local-H10-d6 diloco-dense \\
+      --out bench/results/local_steps_curve.json
   python bench/local_steps.py --report bench/results/local_steps_gpt1000.json   (table + plot)
 
 The workloads are ``bench/workloads.py``'s (imported, not copied): ``gpt`` (0.43M char-level
 GPT, AdamW, ``clip_grad_norm_(1.0)``, pydoc text; metric validation loss), ``gpt-cosine`` (the
 same with a warm-up over 10 % of the steps and a cosine to 10 % of the lr, :data:`SCHEDULED`)
-and ``cnn`` (MNIST-5k, momentum SGD; metric test accuracy in points). ``--world`` gloo ranks
+``gpt2`` (a GPT no one here wrote: Hugging Face's ``GPT2LMHeadModel``, 3 layers of width 128,
+its own init and tied embeddings, with the AdamW of Trainer's defaults at lr 1e-3, on the same
+text and batches, :data:`OTHERS`) and ``cnn`` (MNIST-5k, momentum SGD; metric test accuracy in
+points). ``--world`` gloo ranks
 on 127.0.0.1 (``mp.spawn``); every method starts from the seed's weights and rank r draws the
 batches of generator ``1000 * seed + r``, so every method sees the same batches.
 
@@ -49,6 +57,8 @@ Methods:
   constraints.txt torchft==0.2.0``) as published: a ``LighthouseServer`` in the parent, per
   rank a replica group of one (its own TCPStore, ``Manager(ProcessGroupGloo(),
   use_async_quorum=False, init_sync=False)``), outer Nesterov SGD 0.7 / 0.9, dense float32.
+* ``-warm{n}`` (a study, after the other ``local`` suffixes): the first n inner steps each end
+  with a sync, then every H (more syncs while the replicas part fastest; more bytes).
 * ``-overlap`` (after any ``local`` method): ``overlap=True``, merged at the next sync;
   ``-overlap{τ}``: ``overlap=τ``, merged τ inner steps after its sync; ``-f{p}`` before it
   sets ``fragments=p`` (Streaming DiLoCo's fragments, synced in turn).
@@ -66,14 +76,18 @@ give at SparseLoCo's 14 bits per entry (12-bit chunk index + 2-bit value): compr
 ``identical``: the ranks' parameters are bit-identical at the end (all-gathered and compared).
 
 Results go to ``--out`` (JSON, written after every run, so a killed job keeps what it ran;
-runs of the same workload, world, steps, method and seed are replaced) and a Pareto plot,
-``<out>.png``: metric vs bytes per rank (log x). Runtime on 2 cores shared with other jobs
-(load ~9): gpt 1000 steps 2 ranks 150-300 s a run; cnn 625 steps ~15 s.
+runs of the same workload, world, steps, method and seed are replaced; each run keeps rank 0's
+metric every 50 steps, its ``curve``) and a Pareto plot, ``<out>.png``: metric vs bytes per
+rank (log x). A file with several worlds also gets ``<out>_worlds.png`` (:func:`plot_worlds`):
+the loss over dense against the bytes, a line per world, and the defaults over the steps.
+Runtime on 2 cores shared with other jobs (load ~9): gpt 1000 steps 2 ranks 150-300 s a run;
+cnn 625 steps ~15 s; 600 steps at 8 ranks: gpt about 2 min a run, gpt2 about 4.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import fcntl
 import itertools
 import json
@@ -104,9 +118,13 @@ DILOCO_LR, DILOCO_MOMENTUM = 0.7, 0.9
 METHOD = re.compile(
     r"^(?P<kind>local|diloco-dense|postlocal|torchft)(-H(?P<h>\d+))?(-d(?P<pct>[\d.]+))?"
     r"(-lr(?P<lr>[\d.]+))?(-b(?P<beta>[\d.]+))?(-w(?P<warmup>\d+))?(?P<mean>-mean)?"
-    r"(?P<nesterov>-nesterov)?(-m(?P<momentum>[\d.]+))?(-f(?P<frags>\d+))?"
+    r"(?P<nesterov>-nesterov)?(-m(?P<momentum>[\d.]+))?(-warm(?P<warm>\d+))?(-f(?P<frags>\d+))?"
     r"(?P<overlap>-overlap(?P<tau>\d+)?)?(?P<compact>-c)?$"
 )
+CURVE_EVERY = 50
+"""Rank 0's metric is also taken every this many steps (the run's ``curve``; its time is not
+counted in ``seconds``): with H dividing 50, right after a sync, where the replica is the global
+copy."""
 _TORCHFT_RUNS = itertools.count()
 """torchft runs in this rank so far: each run's replicas join the lighthouse under new ids."""
 
@@ -118,8 +136,61 @@ inner lr warms up linearly over the first 10 % of the steps, then follows a cosi
 after each step)."""
 
 
+def _gpt2(data: Data, seed: int) -> nn.Module:
+    """Hugging Face's GPT-2 (``transformers.GPT2LMHeadModel``), small, with its own init and
+    tied embeddings; returns the logits."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    config = GPT2Config(
+        vocab_size=data["vocab"],
+        n_positions=64,
+        n_embd=128,
+        n_layer=3,
+        n_head=4,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+
+    class Logits(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gpt = GPT2LMHeadModel(config)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.gpt(input_ids=x).logits
+
+    return Logits()
+
+
+def _trainer_adamw(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    """AdamW as Hugging Face's Trainer builds it by default (betas 0.9/0.999, no weight decay),
+    at a from-scratch lr of 1e-3."""
+    return torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0)
+
+
+OTHERS = {
+    "gpt2": lambda: dataclasses.replace(
+        WORKLOADS["gpt"],
+        title="Hugging Face GPT-2 0.3M, Trainer's AdamW + clipping",
+        build=_gpt2,
+        optimizer=_trainer_adamw,
+        settings="GPT2LMHeadModel (3 layers, width 128, tied), AdamW lr 1e-3 betas 0.9/0.999 "
+        "wd 0, clip 1.0, 16x64 chars per rank",
+    )
+}
+"""Workloads of this benchmark alone: ``gpt2``, a GPT that gradshare did not write (Hugging
+Face's ``GPT2LMHeadModel``, its own init, tied embeddings; Trainer's AdamW) on the ``gpt``
+workload's text."""
+
+
 def workload_of(name: str) -> Workload:
     """The workload a name runs (``gpt-cosine``: ``gpt``'s model, data and optimizer)."""
+    if name in OTHERS:
+        return OTHERS[name]()
     return WORKLOADS[SCHEDULED.get(name, name)]
 
 
@@ -214,6 +285,8 @@ def build(name: str, model: nn.Module, opt: torch.optim.Optimizer, steps: int) -
         if m["compact"]:
             kwargs["compact"] = True
     sync = gradshare.LocalSteps(model, opt, sync_every=h, **kwargs)
+    if m["warm"]:  # a study: the first n inner steps each end with a sync, then every h
+        sync._schedule = _Warm(sync._schedule, int(m["warm"]))
     outer = sync.outer.param_groups[0]
     settings = {
         "sync_every": h,
@@ -225,6 +298,19 @@ def build(name: str, model: nn.Module, opt: torch.optim.Optimizer, steps: int) -
         "outer_momentum": outer.get("momentum", 0.0),
     }
     return Method(model, opt, lambda: float(sync.bytes_sent), sync.close, settings)
+
+
+class _Warm:
+    """LocalSteps' schedule, but every fragment is due at each of the first ``warm`` steps."""
+
+    def __init__(self, schedule: Any, warm: int) -> None:
+        self._schedule, self._warm = schedule, warm
+
+    def due(self, step: int) -> list[Any]:
+        return list(self._schedule.spans) if step <= self._warm else self._schedule.due(step)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._schedule, name)
 
 
 def _torchft(model: nn.Module, opt: torch.optim.Optimizer, h: int, steps: int) -> Method:
@@ -300,7 +386,8 @@ def _run(
     lr = _schedule(workload, inner, steps)
     g = torch.Generator().manual_seed(1000 * seed + rank)
     load, start = os.getloadavg()[0], time.perf_counter()
-    for _ in range(steps):
+    curve, evaluated = [], 0.0
+    for step in range(1, steps + 1):
         x, y = w.batch(data, g)
         setup.opt.zero_grad()
         w.loss(setup.net(x), y).backward()
@@ -309,7 +396,11 @@ def _run(
         setup.opt.step()
         if lr is not None:
             lr.step()
-    seconds = time.perf_counter() - start
+        if step % CURVE_EVERY == 0 and step < steps:  # right after a sync at H | 50
+            tick = time.perf_counter()
+            curve.append([step, w.evaluate(model, data)])
+            evaluated += time.perf_counter() - tick
+    seconds = time.perf_counter() - start - evaluated
     setup.close()
     identical = _identical(model, world)
     params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
@@ -321,6 +412,7 @@ def _run(
         "method": method,
         "seed": seed,
         "metric": w.evaluate(model, data),
+        "curve": curve,
         "bytes": setup.sent(),
         "dense": 4.0 * _numel(model) * steps,
         "numel": _numel(model),
@@ -530,18 +622,107 @@ def plot(rs: list[Row], path: Path) -> None:
     plt.close(fig)
 
 
+DENSITY_SWEEP = re.compile(r"^local-H10(-d(?P<pct>[\d.]+))?$")
+"""The methods of the density sweep that :func:`plot_worlds` draws as one line per world."""
+WORLD_COLOURS = {2: "tab:blue", 4: "tab:orange", 8: "tab:red"}
+
+
+def plot_worlds(runs: list[dict], path: Path) -> bool:
+    """Where a file holds one workload's runs at several worlds: the metric over dense's
+    against the compression, one line per world through the density sweep
+    (:data:`DENSITY_SWEEP`; dense DiLoCo marked), and over the steps (each run's ``curve``
+    over dense's, seed by seed: the defaults, ``local-H10``). False where there is nothing
+    to draw."""
+    rs = [r for r in rows(runs) if r.vs_dense is not None]
+    worlds = sorted({r.world for r in rs})
+    if len(worlds) < 2 or len({(r.workload, r.steps) for r in rs}) != 1:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(14, 5.5))
+    for world in worlds:
+        colour = WORLD_COLOURS.get(world, "tab:gray")
+        sweep = sorted(
+            (r for r in rs if r.world == world and DENSITY_SWEEP.match(r.method)),
+            key=lambda r: r.compression,
+        )
+        left.plot(
+            [r.compression for r in sweep],
+            [r.vs_dense for r in sweep],
+            "o-",
+            color=colour,
+            label=f"{world} ranks: LocalSteps, H 10, density 6 / 4 / 2 / 1 %",
+        )
+        for r in sweep:
+            left.annotate(
+                r.method.removeprefix("local-H10"),
+                (r.compression, r.vs_dense),
+                fontsize=7,
+                xytext=(4, 3),
+                textcoords="offset points",
+            )
+        for r in (r for r in rs if r.world == world and r.method == "diloco-dense"):
+            left.plot(r.compression, r.vs_dense, "v", color=colour, label=f"{world}: dense DiLoCo")
+        dense = {
+            r["seed"]: dict([*r.get("curve", []), [r["steps"], r["metric"]]])
+            for r in runs
+            if r["world"] == world and r["method"] == "dense"
+        }
+        points: dict[int, list[float]] = {}
+        for r in runs:
+            if r["world"] == world and r["method"] == "local-H10" and r["seed"] in dense:
+                for step, value in [*r.get("curve", []), [r["steps"], r["metric"]]]:
+                    if step in dense[r["seed"]]:
+                        points.setdefault(step, []).append(value / dense[r["seed"]][step])
+        if points:
+            steps = sorted(points)
+            right.plot(
+                steps,
+                [statistics.mean(points[s]) for s in steps],
+                "o-",
+                color=colour,
+                label=f"{world} ranks: LocalSteps defaults",
+            )
+    left.axhline(1.0, color="grey", linestyle="--", linewidth=1)
+    left.axvline(1000, color="grey", linestyle=":", linewidth=1, label="1,000x fewer bytes")
+    left.set_xscale("log")
+    left.set(
+        xlabel="fewer bytes than dense DDP (log)",
+        ylabel="validation loss / dense DDP's",
+        title=f"{rs[0].workload}, {rs[0].steps} steps: the loss against bytes",
+    )
+    right.axhline(1.0, color="grey", linestyle="--", linewidth=1)
+    right.set(
+        xlabel="inner step",
+        ylabel="validation loss / dense DDP's at that step",
+        title="the defaults over the run",
+    )
+    for ax in (left, right):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
 def report(paths: list[Path]) -> list[Row]:
     runs = [r for p in paths for r in json.loads(p.read_text())["runs"]]
     rs = rows(runs)
     print(table(rs))
     for p in paths:
-        plot(rows(json.loads(p.read_text())["runs"]), p.with_suffix(".png"))
+        mine = json.loads(p.read_text())["runs"]
+        plot(rows(mine), p.with_suffix(".png"))
+        plot_worlds(mine, p.with_name(p.stem + "_worlds.png"))
     return rs
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workload", choices=["gpt", *SCHEDULED, "cnn"], default="gpt")
+    parser.add_argument("--workload", choices=["gpt", *SCHEDULED, *OTHERS, "cnn"], default="gpt")
     parser.add_argument(
         "--methods",
         nargs="+",
