@@ -43,7 +43,12 @@ from gradshare.distributed.ddp_hook import (
     threshold_hook,
 )
 from gradshare.distributed.exchange import ExchangeError, exchange_messages
-from gradshare.distributed.local_steps import Elastic, LocalSteps, LocalStepsOptions
+from gradshare.distributed.local_steps import (
+    AgreementSGD,
+    Elastic,
+    LocalSteps,
+    LocalStepsOptions,
+)
 from gradshare.distributed.shared_optimizer import SharedOptimizer
 from gradshare.encoding.encoder import Encoder, EncodeStats
 from gradshare.encoding.options import EncodingOptions
@@ -72,6 +77,7 @@ __version__ = "0.1.0"
 _moved.install()  # the 0.1 module paths, for one release (see gradshare._moved)
 
 __all__ = [
+    "AgreementSGD",
     # wire format
     "BITMAP_ENCODING",
     "COMPACT_ENCODING",

@@ -79,6 +79,8 @@ What lives here:
 - :mod:`.schedule`: which fragment syncs and when a merge is, at step s (pure arithmetic);
 - :mod:`.fragment`: a fragment's views of every buffer and the arithmetic of a round;
 - :mod:`.outer`: which outer steps LocalSteps takes itself (plain SGD, found exactly);
+- :mod:`.agreement`: :class:`AgreementSGD`, an outer optimizer to try on many ranks under an
+  adaptive inner optimizer (the mean mapped by the ranks' agreement);
 - :mod:`.protocol`: the round's collectives (header, status, dense or encoded mean);
 - :mod:`.overlap`: the round in flight, the carry, the lead, the flush;
 - :mod:`.state`: the checkpoint (save, load, migrations from earlier formats);
@@ -86,6 +88,7 @@ What lives here:
 - :mod:`.elastic`: :class:`Elastic`, training on when ranks fail, leave or join (torchft).
 """
 
+from gradshare.distributed.local_steps.agreement import AgreementSGD
 from gradshare.distributed.local_steps.core import LocalSteps
 from gradshare.distributed.local_steps.elastic import Elastic
 from gradshare.distributed.local_steps.options import (
@@ -99,6 +102,7 @@ from gradshare.distributed.local_steps.options import (
 )
 
 __all__ = [
+    "AgreementSGD",
     "DEFAULT_DECAY",
     "DEFAULT_DENSITY",
     "DEFAULT_OUTER_LR",
