@@ -57,6 +57,8 @@ Methods:
   constraints.txt torchft==0.2.0``) as published: a ``LighthouseServer`` in the parent, per
   rank a replica group of one (its own TCPStore, ``Manager(ProcessGroupGloo(),
   use_async_quorum=False, init_sync=False)``), outer Nesterov SGD 0.7 / 0.9, dense float32.
+* ``-agree``: the outer optimizer is ``gradshare.AgreementSGD`` (plain SGD on the mean mapped
+  by the ranks' agreement), at the default lr unless ``-lr``.
 * ``-warm{n}`` (a study, after the other ``local`` suffixes): the first n inner steps each end
   with a sync, then every H (more syncs while the replicas part fastest; more bytes).
 * ``-overlap`` (after any ``local`` method): ``overlap=True``, merged at the next sync;
@@ -118,7 +120,8 @@ DILOCO_LR, DILOCO_MOMENTUM = 0.7, 0.9
 METHOD = re.compile(
     r"^(?P<kind>local|diloco-dense|postlocal|torchft)(-H(?P<h>\d+))?(-d(?P<pct>[\d.]+))?"
     r"(-lr(?P<lr>[\d.]+))?(-b(?P<beta>[\d.]+))?(-w(?P<warmup>\d+))?(?P<mean>-mean)?"
-    r"(?P<nesterov>-nesterov)?(-m(?P<momentum>[\d.]+))?(-warm(?P<warm>\d+))?(-f(?P<frags>\d+))?"
+    r"(?P<nesterov>-nesterov)?(-m(?P<momentum>[\d.]+))?(?P<agree>-agree)?(-warm(?P<warm>\d+))?"
+    r"(-f(?P<frags>\d+))?"
     r"(?P<overlap>-overlap(?P<tau>\d+)?)?(?P<compact>-c)?$"
 )
 CURVE_EVERY = 50
@@ -266,6 +269,11 @@ def build(name: str, model: nn.Module, opt: torch.optim.Optimizer, steps: int) -
             mu = float(m["momentum"])
             rate = lr or default_outer_lr(opt)
             kwargs["outer_optimizer"] = lambda p: torch.optim.SGD(p, lr=rate, momentum=mu)
+        elif m["agree"]:
+            from gradshare.distributed.local_steps import default_outer_lr
+
+            rate = lr or default_outer_lr(opt)
+            kwargs["outer_optimizer"] = lambda p: gradshare.AgreementSGD(p, lr=rate)
         elif lr is not None:
             kwargs["outer_optimizer"] = lambda p: torch.optim.SGD(p, lr=lr)
         if m["beta"]:

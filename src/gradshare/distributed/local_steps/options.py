@@ -41,7 +41,9 @@ DEFAULT_OUTER_LR = 2.8
 """The learning rate of the default outer optimizer, plain SGD without momentum, when the inner
 optimizer is adaptive (Adam and its kin, :func:`default_outer_lr`). Each sent entry carries
 only ±threshold, so a sync moves the global copy less than Δ, and an outer lr above 1 makes up
-for it; measured in docs/benchmarks.md ("Local steps": the GPT with AdamW at 2 and 4 ranks)."""
+for it; measured in docs/benchmarks.md ("Local steps": the GPT with AdamW at 2 and 4 ranks).
+It does not grow with the world size: a higher lr helped one GPT at 4 and 8 ranks and hurt
+another at every size ("More ranks, and a schedule")."""
 DEFAULT_OUTER_LR_SGD = 1.4
 """The default outer learning rate for any other inner optimizer (SGD, momentum SGD): the lr
 that kept the CNN with momentum SGD nearest dense DDP (docs/benchmarks.md)."""
