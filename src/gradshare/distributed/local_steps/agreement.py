@@ -37,7 +37,8 @@ class AgreementSGD(torch.optim.Optimizer):
 
     An option to try with an adaptive inner optimizer on 4 or more ranks, at a lower lr than
     plain SGD's default: ``LocalSteps(model, opt, outer_optimizer=lambda p: AgreementSGD(p,
-    lr=2.0))``. It is not the default: measured on two GPTs, one seed (docs/benchmarks.md).
+    lr=2.0))``, and compare with a dense run. It is not the default: at 8 ranks it helped one
+    GPT and not the other (docs/benchmarks.md, "More ranks, and a schedule").
 
     Args:
         params: the global copy's tensors (what ``outer_optimizer`` is given).
