@@ -27,13 +27,13 @@ Run (PYTHONPATH=src, or an installed checkout; ``OMP_NUM_THREADS=1`` is set for 
 
 The workloads are ``bench/workloads.py``'s (imported, not copied): ``gpt`` (0.43M char-level
 GPT, AdamW, ``clip_grad_norm_(1.0)``, pydoc text; metric validation loss), ``gpt-cosine`` (the
-same with a warm-up over 10 % of the steps and a cosine to 10 % of the lr, :data:`SCHEDULED`)
+same with a warm-up over 10 % of the steps and a cosine to 10 % of the lr, :data:`SCHEDULED`),
 ``gpt2`` (a GPT no one here wrote: Hugging Face's ``GPT2LMHeadModel``, 3 layers of width 128,
 its own init and tied embeddings, with the AdamW of Trainer's defaults at lr 1e-3, on the same
 text and batches, :data:`OTHERS`) and ``cnn`` (MNIST-5k, momentum SGD; metric test accuracy in
-points). ``--world`` gloo ranks
-on 127.0.0.1 (``mp.spawn``); every method starts from the seed's weights and rank r draws the
-batches of generator ``1000 * seed + r``, so every method sees the same batches.
+points). ``--world`` gloo ranks on 127.0.0.1 (``mp.spawn``); every method starts from the
+seed's weights and rank r draws the batches of generator ``1000 * seed + r``, so every method
+sees the same batches.
 
 Methods:
 
@@ -59,7 +59,7 @@ Methods:
   use_async_quorum=False, init_sync=False)``), outer Nesterov SGD 0.7 / 0.9, dense float32.
 * ``-agree``: the outer optimizer is ``gradshare.AgreementSGD`` (plain SGD on the mean mapped
   by the ranks' agreement), at the default lr unless ``-lr``.
-* ``-warm{n}`` (a study, after the other ``local`` suffixes): the first n inner steps each end
+* ``-warm{n}`` (a study, after ``-agree``, before ``-f``): the first n inner steps each end
   with a sync, then every H (more syncs while the replicas part fastest; more bytes).
 * ``-overlap`` (after any ``local`` method): ``overlap=True``, merged at the next sync;
   ``-overlap{τ}``: ``overlap=τ``, merged τ inner steps after its sync; ``-f{p}`` before it
@@ -176,7 +176,7 @@ def _trainer_adamw(params: list[nn.Parameter]) -> torch.optim.Optimizer:
 
 
 OTHERS = {
-    "gpt2": lambda: dataclasses.replace(
+    "gpt2": dataclasses.replace(
         WORKLOADS["gpt"],
         title="Hugging Face GPT-2 0.3M, Trainer's AdamW + clipping",
         build=_gpt2,
@@ -192,9 +192,7 @@ workload's text."""
 
 def workload_of(name: str) -> Workload:
     """The workload a name runs (``gpt-cosine``: ``gpt``'s model, data and optimizer)."""
-    if name in OTHERS:
-        return OTHERS[name]()
-    return WORKLOADS[SCHEDULED.get(name, name)]
+    return OTHERS.get(name) or WORKLOADS[SCHEDULED.get(name, name)]
 
 
 def _schedule(name: str, opt: torch.optim.Optimizer, steps: int) -> Any:
@@ -259,20 +257,17 @@ def build(name: str, model: nn.Module, opt: torch.optim.Optimizer, steps: int) -
         if m["pct"]:
             kwargs["density"] = float(m["pct"]) / 100
         lr = float(m["lr"]) if m["lr"] else None
+        from gradshare.distributed.local_steps import default_outer_lr
+
+        rate = lr or default_outer_lr(opt)
         if m["nesterov"]:
             kwargs["outer_optimizer"] = lambda p: torch.optim.SGD(
                 p, lr=lr or DILOCO_LR, momentum=DILOCO_MOMENTUM, nesterov=True
             )
         elif m["momentum"]:
-            from gradshare.distributed.local_steps import default_outer_lr
-
             mu = float(m["momentum"])
-            rate = lr or default_outer_lr(opt)
             kwargs["outer_optimizer"] = lambda p: torch.optim.SGD(p, lr=rate, momentum=mu)
         elif m["agree"]:
-            from gradshare.distributed.local_steps import default_outer_lr
-
-            rate = lr or default_outer_lr(opt)
             kwargs["outer_optimizer"] = lambda p: gradshare.AgreementSGD(p, lr=rate)
         elif lr is not None:
             kwargs["outer_optimizer"] = lambda p: torch.optim.SGD(p, lr=lr)
@@ -315,7 +310,7 @@ class _Warm:
         self._schedule, self._warm = schedule, warm
 
     def due(self, step: int) -> list[Any]:
-        return list(self._schedule.spans) if step <= self._warm else self._schedule.due(step)
+        return self._schedule.spans if step <= self._warm else self._schedule.due(step)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._schedule, name)
@@ -404,7 +399,7 @@ def _run(
         setup.opt.step()
         if lr is not None:
             lr.step()
-        if step % CURVE_EVERY == 0 and step < steps:  # right after a sync at H | 50
+        if rank == 0 and step % CURVE_EVERY == 0 and step < steps:  # after a sync at H | 50
             tick = time.perf_counter()
             curve.append([step, w.evaluate(model, data)])
             evaluated += time.perf_counter() - tick
@@ -630,9 +625,14 @@ def plot(rs: list[Row], path: Path) -> None:
     plt.close(fig)
 
 
-DENSITY_SWEEP = re.compile(r"^local-H10(-d(?P<pct>[\d.]+))?$")
+DENSITY_SWEEP = re.compile(r"^local-H10(-d[\d.]+)?$")
 """The methods of the density sweep that :func:`plot_worlds` draws as one line per world."""
 WORLD_COLOURS = {2: "tab:blue", 4: "tab:orange", 8: "tab:red"}
+
+
+def _curve(run: dict) -> dict[int, float]:
+    """A run's metric by step: its ``curve`` and its final metric."""
+    return dict([*run.get("curve", []), [run["steps"], run["metric"]]])
 
 
 def plot_worlds(runs: list[dict], path: Path) -> bool:
@@ -675,14 +675,12 @@ def plot_worlds(runs: list[dict], path: Path) -> bool:
         for r in (r for r in rs if r.world == world and r.method == "diloco-dense"):
             left.plot(r.compression, r.vs_dense, "v", color=colour, label=f"{world}: dense DiLoCo")
         dense = {
-            r["seed"]: dict([*r.get("curve", []), [r["steps"], r["metric"]]])
-            for r in runs
-            if r["world"] == world and r["method"] == "dense"
+            r["seed"]: _curve(r) for r in runs if (r["world"], r["method"]) == (world, "dense")
         }
         points: dict[int, list[float]] = {}
         for r in runs:
             if r["world"] == world and r["method"] == "local-H10" and r["seed"] in dense:
-                for step, value in [*r.get("curve", []), [r["steps"], r["metric"]]]:
+                for step, value in _curve(r).items():
                     if step in dense[r["seed"]]:
                         points.setdefault(step, []).append(value / dense[r["seed"]][step])
         if points:
@@ -718,11 +716,10 @@ def plot_worlds(runs: list[dict], path: Path) -> bool:
 
 
 def report(paths: list[Path]) -> list[Row]:
-    runs = [r for p in paths for r in json.loads(p.read_text())["runs"]]
-    rs = rows(runs)
+    files = {p: json.loads(p.read_text())["runs"] for p in paths}
+    rs = rows([r for mine in files.values() for r in mine])
     print(table(rs))
-    for p in paths:
-        mine = json.loads(p.read_text())["runs"]
+    for p, mine in files.items():
         plot(rows(mine), p.with_suffix(".png"))
         plot_worlds(mine, p.with_name(p.stem + "_worlds.png"))
     return rs
