@@ -1,6 +1,6 @@
 """The compact form of a sparse message (gradshare.codec.compact_form): lossless, its exact
-bytes, never longer than the sparse message, read by every decoder, and validated whole; on
-the kernels and on the torch path alike."""
+bytes (those of a plain reading of the format), never longer than the sparse message, read by
+every decoder, and validated whole; on the kernels and on the torch path alike."""
 
 from __future__ import annotations
 
@@ -53,38 +53,68 @@ def _payload(message: torch.Tensor) -> list[int]:
     return message[5:].view(torch.uint8)[: int(message[4])].tolist()
 
 
+def _bits_of(payload: list[int]) -> list[int]:
+    return [b >> i & 1 for b in payload for i in range(8)]
+
+
+def _write(entries: list[int], r: int) -> list[int]:
+    """The payload of ``entries`` at r as docs/wire-format.md states the form."""
+    gaps = [abs(e) - abs(p) for e, p in zip(entries, [0, *entries[:-1]], strict=True)]
+    signs = [int(e < 0) for e in entries]
+    lows = [(g - 1) >> i & 1 for g in gaps for i in range(r)]
+    highs = [bit for g in gaps for bit in [0] * ((g - 1) >> r) + [1]]
+    out = [r]
+    for part in (signs, lows, highs):
+        part = part + [0] * (-len(part) % 8)
+        out += [
+            sum(bit << i for i, bit in enumerate(part[j : j + 8])) for j in range(0, len(part), 8)
+        ]
+    return out
+
+
+def _as_the_format_writes(entries: list[int]) -> list[int]:
+    """The payload at the least r of the fewest bytes (of all r, 0 to 30)."""
+    k, x = len(entries), np.diff(np.abs(entries), prepend=0) - 1
+
+    def size(r: int) -> int:
+        return 1 + -(-k // 8) + -(-k * r // 8) + -(-(int((x >> r).sum()) + k) // 8)
+
+    return _write(entries, min(range(31), key=lambda r: (size(r), r)))
+
+
 class TestForm:
-    def test_exact_bytes_of_gaps_and_escapes(self) -> None:
-        """Gaps 1 (first entry at index 0), 127, 128, 254, 255 and 173; signs in bit 7."""
+    def test_exact_bytes(self) -> None:
+        """Gaps 1 (first entry at index 0), 127, 128, 254, 255 and 173: r = 6 (9 bytes; r = 5
+        and 7 take 10); low parts 0, 62, 63, 61, 62, 44; high parts 0, 1, 1, 3, 3, 2."""
         index = [0, 127, 255, 509, 764, 937]
         signs = [1, -1, 1, 1, -1, 1]
         sparse = _sparse(2000, index, signs)
         small = compact_message(sparse)
-        assert small[:5].tolist() == [6, 2000, sparse[2].item(), COMPACT_ENCODING, 11]
-        assert _payload(small) == [1, 127 | 128, 0, 1, 0, 127, 0, 0, 128 | 1, 0, 46]
-        assert small.numel() == 5 + 3 and small[5:].view(torch.uint8)[11:].tolist() == [0]
+        assert small[:5].tolist() == [6, 2000, sparse[2].item(), COMPACT_ENCODING, 9]
+        assert _payload(small) == [6, 0b10010, 128, 255, 247, 62, 11, 21, 145]
+        assert small.numel() == 5 + 3 and small[5:].view(torch.uint8)[9:].tolist() == [0] * 3
         assert torch.equal(expand_message(small, 2000), sparse)
 
     @pytest.mark.parametrize("density", [0.002, 0.0156, 0.04, 0.2, 1.0])
-    def test_lossless_and_never_longer(self, density: float) -> None:
-        sparse = _random_sparse(100_000, density, seed=int(density * 1e4))
+    def test_lossless_never_longer_and_as_the_format_writes(self, density: float) -> None:
+        sparse = _random_sparse(20_000, density, seed=int(density * 1e4))
         small = compact_message(sparse)
-        index = sparse[4:].abs().long()
-        gaps = torch.diff(index, prepend=torch.zeros(1, dtype=torch.long))
-        num_bytes = index.numel() + int(((gaps - 1) // 127).sum())  # an entry + its escapes
-        if 5 + (num_bytes + 3) // 4 < sparse.numel():
-            assert int(small[3]) == COMPACT_ENCODING and int(small[4]) == num_bytes
+        want = _as_the_format_writes(sparse[4:].tolist())
+        if 5 + (len(want) + 3) // 4 < sparse.numel():
+            assert int(small[3]) == COMPACT_ENCODING and _payload(small) == want
             assert torch.equal(expand_message(small, sparse[1].item()), sparse)
         else:
             assert small is sparse
         assert small.numel() <= sparse.numel()
 
     def test_bits_per_entry_at_four_percent(self) -> None:
-        """Uniform entries at 4 %: the expected gap escapes with probability ~0.96^127."""
+        """Uniform entries at 4 %: r = 4, 6 bits plus 1.08 for the high parts (0.96^16 = 0.52
+        of the gaps reach 16, 0.52^2 reach 32, ...), against the gaps' entropy and sign, 7.06."""
         sparse = _random_sparse(1_000_000, 0.04, seed=0)
         k = sparse.numel() - 4
-        bits = 32 * compact_message(sparse).numel() / k
-        assert 8.0 < bits < 8.2
+        small = compact_message(sparse)
+        assert _payload(small)[0] == 4
+        assert 7.06 < 32 * small.numel() / k < 7.12
 
     def test_bitmaps_and_empty_messages_stay(self) -> None:
         bitmap = codec.encode_bitmap_(torch.ones(64), 0.5)
@@ -133,16 +163,14 @@ class TestDecoders:
         with pytest.raises(MessageError, match=r"rank 1, piece of parameter w .*compact"):
             split_message(broken, [3000, 7, 50], "rank 1", ["w", "b", "c"])
 
-    def test_multipart_refuses_an_entry_of_gap_zero(self) -> None:
-        """A piece whose first byte was 0x80 passed the split as index 0 (LocalSteps decodes
-        the split's pieces unchecked: the kernels dropped it, the torch path wrote element
-        N-1); a 2-rank exchange took it without an error."""
+    def test_multipart_refuses_a_bad_piece(self) -> None:
+        """LocalSteps decodes the split's pieces unchecked: the split validates each whole."""
         a = _random_sparse(3000, 0.04, seed=5)
         joined = join_messages(
             [compact_message(a), None], [3000, 7], [0.5] * 2, torch.device("cpu")
         )
-        joined[5:].view(torch.uint8)[0] = 0x80
-        with pytest.raises(MessageError, match=r"rank 1, piece of parameter w .* byte 0 is 0x80"):
+        joined[5:].view(torch.uint8)[0] = 31
+        with pytest.raises(MessageError, match=r"rank 1, piece of parameter w .* r = 31"):
             split_message(joined, [3000, 7], "rank 1", ["w", "b"])
 
 
@@ -173,86 +201,100 @@ class TestValidation:
         self._rejects(self._with(w0=0), 2000, "K = 0 entries")
         self._rejects(self._with(w4=13), 2000, "L = 13 bytes take")
         self._rejects(self._with(w2=0), 2000, "finite threshold > 0")
-        self._rejects(_good()[:5].clone(), 2000, "L = 11 bytes take")
+        self._rejects(_good()[:5].clone(), 2000, "L = 9 bytes take")
         self._rejects(_good()[:4].clone(), 2000, "4 words, fewer than its 5 header words")
 
+    def _payload_set(self, at: int, value: int) -> torch.Tensor:
+        message = _good()
+        message[5:].view(torch.uint8)[at] = value
+        return message
+
     def test_payload(self) -> None:
-        message = _good()
-        message[5:].view(torch.uint8)[11] = 1
-        self._rejects(message, 2000, "bytes past L = 11 are set")
-        message = _good()
-        message[5:].view(torch.uint8)[10] = 0
-        self._rejects(message, 2000, "ends with an escape byte")
-        message = _good()
-        message[5:].view(torch.uint8)[2] = 5  # an escape turned entry: 7 entries
-        self._rejects(message, 2000, "holds 7 entry bytes, but the header says K = 6")
+        """_good's payload: r = 6, signs in byte 1, low parts in bytes 2-6 (36 bits), high
+        parts in bytes 7-8 (16 bits, 6 ones)."""
+        self._rejects(self._payload_set(9, 1), 2000, "bytes past L = 9 are set")
+        self._rejects(self._payload_set(0, 31), 2000, "byte 0 says r = 31 low bits per gap")
+        self._rejects(self._payload_set(0, 20), 2000, "its 9 bytes are too few")
+        self._rejects(self._payload_set(1, 0b1010010), 2000, "spare sign bits of byte 1")
+        self._rejects(self._payload_set(6, 11 | 16), 2000, "spare low-part bits of byte 6")
+        self._rejects(self._payload_set(8, 0), 2000, "its last byte is zero")
+        self._rejects(
+            self._payload_set(7, 21 | 2), 2000, "hold 7 one bits, but the header says K = 6"
+        )
+        self._rejects(self._payload_set(7, 5), 2000, "hold 5 one bits")
         message = _good()
         message[1] = 937
         self._rejects(message, 937, "last entry is at index 937, past N = 937")
 
-    def test_entry_of_gap_zero(self) -> None:
-        """Byte 0x80 (the sign bit, gap 0) expanded to entry 0 as the first byte and to a
-        repeated index after an entry; after escapes it is no entry of the format either.
-        ``message_info`` called such a message valid."""
-        for where in (0, 1, 8):  # the first entry; after an entry; after two escapes
-            message = _good()
-            message[5:].view(torch.uint8)[where] = 0x80
-            fault = f"byte {where} is 0x80, an entry of gap 0"
-            self._rejects(message, 2000, fault)
-            with pytest.raises(MessageError, match=fault):
-                message_info(message)
+    def test_a_gap_past_n(self) -> None:
+        """A high part that would pass N shifted by r is refused before it is summed (it
+        could pass int64); a last index past N, after."""
+        words = [3, 100, _good()[2].item(), COMPACT_ENCODING, 4, 0]
+        message = torch.tensor(words, dtype=torch.int32)
+        message[5:].view(torch.uint8)[:4] = torch.tensor([2, 0, 0, 0x83], dtype=torch.uint8)
+        assert expand_message(message, 100)[4:].tolist() == [1, 2, 23]  # q = 0, 0, 5 at r = 2
+        message[1] = 22
+        self._rejects(message, 22, "last entry is at index 22, past N = 22")
+        message[1] = 19
+        self._rejects(message, 19, "a gap passes N = 19")
 
     def test_longer_than_its_sparse_message(self) -> None:
-        message = compact_message(_sparse(10_000, list(range(0, 10_000, 1000))))
-        assert int(message[3]) == FLEXIBLE_ENCODING  # too far apart: stays sparse
+        message = compact_message(_sparse(10_000, [0, 5000]))
+        assert int(message[3]) == FLEXIBLE_ENCODING  # 2 entries: stays sparse
         words = [2, 10_000, message[2].item(), COMPACT_ENCODING, 20] + [0] * 5
         long = torch.tensor(words, dtype=torch.int32)
         long[5:].view(torch.uint8)[[19]] = 1
-        long[5:].view(torch.uint8)[[0]] = 1
         self._rejects(long, 10_000, "no fewer than the 6 of the sparse message")
 
 
-def _as_the_format_says(payload: list[int], numel: int) -> list[int] | None:
+def _as_the_format_reads(payload: list[int], k: int, numel: int) -> list[int] | None:
     """The signed 1-based entries of compact bytes read as docs/wire-format.md states the
     form, or None where it breaks a rule of the payload."""
-    entries, pos = [], 0
-    for b in payload:
-        if b == 0:  # an escape
-            pos += 127
+    r = payload[0]
+    nsign, nlow = -(-k // 8), -(-k * r // 8)
+    if r > 30 or 1 + nsign + nlow >= len(payload) or payload[-1] == 0:
+        return None
+    signs = _bits_of(payload[1 : 1 + nsign])
+    lows = _bits_of(payload[1 + nsign : 1 + nsign + nlow])
+    highs = _bits_of(payload[1 + nsign + nlow :])
+    if any(signs[k:]) or any(lows[k * r :]) or sum(highs) != k:
+        return None
+    entries, pos, q = [], 0, 0
+    for bit in highs:
+        if not bit:
+            q += 1
             continue
-        if b & 127 == 0:  # an entry's gap is 1 to 127
-            return None
-        pos += b & 127
-        entries.append(-pos if b & 128 else pos)
-    return None if payload[-1] == 0 or pos > numel else entries
+        j = len(entries)
+        pos += (q << r) + sum(lows[j * r + i] << i for i in range(r)) + 1
+        entries.append(-pos if signs[j] else pos)
+        q = 0
+    return None if pos > numel else entries
 
 
-def test_every_short_tail_as_the_format_says() -> None:
-    """Every tail of 1 to 3 bytes of 0, 1, 2, 0x7F, 0x80, 0x81, 0xFF after 8 entries of gap
-    1, for N within and past its reach: expanded to exactly the entries the format says, or
-    refused where it breaks a rule; what is accepted ascends strictly within 1..N. The kernel
-    and the torch path disagreed on a 0x80 and both let it through."""
-    alphabet = [0, 1, 2, 0x7F, 0x80, 0x81, 0xFF]
-    tails = itertools.chain.from_iterable(itertools.product(alphabet, repeat=r) for r in (1, 2, 3))
-    for tail in tails:
-        payload = [1] * 8 + list(tail)
-        k = sum(b != 0 for b in payload)
-        raw = bytes(payload) + bytes(-len(payload) % 4)
-        words = torch.frombuffer(bytearray(raw), dtype=torch.int32)
-        for numel in (9, 140, 400):
-            header = torch.tensor(
-                [k, numel, 1056964608, COMPACT_ENCODING, len(payload)], dtype=torch.int32
-            )
-            message = torch.cat([header, words])
-            want = _as_the_format_says(payload, numel)
-            try:
-                got = expand_message(message, numel)[4:].tolist()
-            except MessageError:
-                got = None
-            assert got == want, (tail, numel)
-            if got is not None:
-                index = [abs(e) for e in got]
-                assert all(0 < a < b <= numel for a, b in itertools.pairwise(index))
+def test_every_short_payload_as_the_format_says() -> None:
+    """Every payload of r in 0, 1, 2, 31 and 1 to 3 more bytes of 0, 1, 2, 0x41, 0x80, 0xFF,
+    as K = 3, 4 or 9 entries, for N within and past its reach: expanded to exactly the entries
+    the format says, or refused where it breaks a rule; what is accepted ascends strictly
+    within 1..N."""
+    alphabet = [0, 1, 2, 0x41, 0x80, 0xFF]
+    rest = itertools.chain.from_iterable(itertools.product(alphabet, repeat=n) for n in (1, 2, 3))
+    for tail in rest:
+        for r, k in itertools.product((0, 1, 2, 31), (3, 4, 9)):
+            payload = [r, *tail]
+            raw = bytes(payload) + bytes(-len(payload) % 4)
+            words = torch.frombuffer(bytearray(raw), dtype=torch.int32)
+            for numel in (9, 400):
+                header = [k, numel, 1056964608, COMPACT_ENCODING, len(payload)]
+                message = torch.cat([torch.tensor(header, dtype=torch.int32), words])
+                want = _as_the_format_reads(payload, k, numel)
+                try:
+                    got = expand_message(message, numel)[4:].tolist()
+                except MessageError:
+                    got = None
+                assert got == want, (payload, k, numel)
+                if got is not None:
+                    index = [abs(e) for e in got]
+                    assert all(0 < a < b <= numel for a, b in itertools.pairwise(index))
 
 
 @settings(

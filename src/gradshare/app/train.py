@@ -162,7 +162,7 @@ class TrainConfig:
     fragments: int = 1
     """Parts of the model the local-steps run syncs in turn."""
     compact: bool = True
-    """Send the local-steps syncs' sparse pieces in their compact form (a byte per entry)."""
+    """Send the local-steps syncs' sparse pieces in their compact form (about 7 bits per entry)."""
     runs: tuple[str, ...] = ("dense", "gradshare", "local-steps")
     """Which runs, in order (not an option: the command runs all three)."""
 

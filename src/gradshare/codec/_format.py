@@ -18,12 +18,12 @@ FLEXIBLE_ENCODING = 0
 BITMAP_ENCODING = 1
 """Format id of a bitmap message (2 bits per element)."""
 COMPACT_ENCODING = 2
-"""Format id of a compact sparse message (gaps in bytes; gradshare's option, not DL4J's)."""
+"""Format id of a compact sparse message (the gaps' Rice code; gradshare's option, not DL4J's)."""
 DENSE_ENCODING = 3
 """Format id of a dense piece: the float32 values themselves (gradshare's own, not DL4J's),
 for a vector too small for a threshold message to carry it."""
-COMPACT_GAP = 127
-"""The longest gap one byte of a compact message holds; an escape byte adds as much."""
+COMPACT_MAX_R = 30
+"""The most low bits per gap in a compact message (its byte 0): gaps reach 2^31."""
 HEADER_WORDS = 4
 MAX_NUMEL = 2**31 - 1
 """Largest N a message can address: indices are signed int32 ``±(i+1)``."""

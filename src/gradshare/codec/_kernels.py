@@ -42,7 +42,7 @@ import types as types_
 import numpy as np
 from numba import njit, prange
 
-from gradshare.codec._format import COMPACT_GAP as GAP
+from gradshare.codec._format import COMPACT_MAX_R as MAX_R
 from gradshare.codec._intrinsics import fma, make_bitmap_superblock, make_superblock, prefetch
 
 CHUNK = 1 << 16
@@ -818,49 +818,118 @@ def _bitmap_into(words, t, buf):  # pragma: no cover - compiled
 
 
 @njit(nogil=True, cache=True)
+def compact_size(entries, r):  # pragma: no cover - compiled
+    """The payload bytes of the ascending signed 1-based ``entries`` at Rice parameter r,
+    and the sum of their high parts."""
+    k = entries.size
+    prev = np.int64(0)
+    high = np.int64(0)
+    for j in range(k):
+        a = abs(np.int64(entries[j]))
+        high += (a - prev - 1) >> r
+        prev = a
+    return 1 + (k + 7) // 8 + (k * r + 7) // 8 + (high + k + 7) // 8, high
+
+
+@njit(nogil=True, cache=True)
+def compact_r(entries):  # pragma: no cover - compiled
+    """The least r of the least payload, and its bytes: r counts up until every high part is
+    0, past which each r only adds bits."""
+    best_r, best = 0, np.int64(0)
+    for r in range(MAX_R + 1):
+        size, high = compact_size(entries, r)
+        if r == 0 or size < best:
+            best_r, best = r, size
+        if high == 0:
+            break
+    return best_r, best
+
+
+@njit(nogil=True, cache=True)
 def compact_entries(entries, payload, limit):  # pragma: no cover - compiled
     """Write the compact bytes of the ascending signed 1-based ``entries`` into the zeroed
-    uint8 ``payload``; their count L, or -1 (stopped) once L would pass ``limit``."""
+    uint8 ``payload``; their count L, or -1 (nothing written) when L would pass ``limit``."""
+    k = entries.size
+    r, size = compact_r(entries)
+    if size > limit:
+        return -1
+    lows = 1 + (k + 7) // 8
+    u = 8 * (lows + (k * r + 7) // 8)  # the bit that the next high part starts at
+    mask = (np.int64(1) << r) - 1
+    payload[0] = r
     prev = np.int64(0)
-    pos = 0
-    for j in range(entries.size):
+    for j in range(k):
         e = np.int64(entries[j])
         a = abs(e)
-        gap = a - prev
+        x = a - prev - 1
         prev = a
-        while gap > GAP:  # an escape byte, already 0
-            gap -= GAP
-            pos += 1
-        if pos >= limit:
-            return -1
-        payload[pos] = gap | (128 if e < 0 else 0)
-        pos += 1
-    return pos
+        if e < 0:
+            payload[1 + (j >> 3)] |= np.uint8(1 << (j & 7))
+        v = x & mask
+        o = 8 * lows + j * r
+        left = r
+        while left > 0:
+            shift = o & 7
+            payload[o >> 3] |= np.uint8((v << shift) & 0xFF)
+            v >>= 8 - shift
+            o += 8 - shift
+            left -= 8 - shift
+        u += x >> r
+        payload[u >> 3] |= np.uint8(1 << (u & 7))
+        u += 1
+    return size
 
 
 @njit(nogil=True, cache=True)
 def expand_entries(data, out, numel):  # pragma: no cover - compiled
     """The signed 1-based entries of the compact bytes ``data`` into int32 ``out`` (K long):
     0, or 1 when the bytes are not a valid compact payload of K entries for ``numel``
-    elements (the caller's torch path then names the fault). An entry's gap is 1..127, so
-    the indices it accepts strictly ascend."""
+    elements (the caller's torch path then names the fault). Every gap is at least 1, so the
+    indices it accepts strictly ascend."""
     k = out.size
-    if data.size == 0 or data[data.size - 1] == 0:
+    size = data.size
+    if size == 0 or np.int64(data[0]) > MAX_R:
         return 1
+    r = np.int64(data[0])
+    lows = 1 + (k + 7) // 8
+    highs = lows + (k * r + 7) // 8
+    if highs >= size or data[size - 1] == 0:
+        return 1
+    if k & 7 and (np.int64(data[lows - 1]) >> (k & 7)) != 0:
+        return 1
+    if (k * r) & 7 and (np.int64(data[highs - 1]) >> ((k * r) & 7)) != 0:
+        return 1
+    u = 8 * highs
+    end = 8 * size
+    most = np.int64(numel) >> r
     pos = np.int64(0)
-    j = 0
-    for i in range(data.size):
-        b = np.int64(data[i])
-        if b == 0:
-            pos += GAP
-            continue
-        gap = b & GAP
-        pos += gap
-        if gap == 0 or j >= k or pos > numel:
+    for j in range(k):
+        v = np.int64(0)
+        o = 8 * lows + j * r
+        got = 0
+        while got < r:
+            shift = o & 7
+            take = min(8 - shift, r - got)
+            v |= ((np.int64(data[o >> 3]) >> shift) & ((1 << take) - 1)) << got
+            got += take
+            o += take
+        q = np.int64(0)
+        while u < end and (data[u >> 3] >> (u & 7)) & 1 == 0:
+            u += 1
+            q += 1
+        if u == end or q > most:
             return 1
-        out[j] = -pos if b > GAP else pos
-        j += 1
-    return 0 if j == k else 1
+        u += 1
+        pos += (q << r) + v + 1
+        if pos > numel:
+            return 1
+        out[j] = -pos if (data[1 + (j >> 3)] >> (j & 7)) & 1 else pos
+    if u & 7 and (np.int64(data[u >> 3]) >> (u & 7)) != 0:
+        return 1
+    for i in range((u + 7) >> 3, size):
+        if data[i] != 0:
+            return 1
+    return 0
 
 
 def _serial_twin(kernel):  # pragma: no cover - runs at import of this module

@@ -26,7 +26,7 @@ from gradshare.codec._format import (
     write_header,
 )
 from gradshare.codec._format import (
-    COMPACT_GAP as GAP,
+    COMPACT_MAX_R as MAX_R,
 )
 
 _NATIVE = (torch.float32, torch.float64)
@@ -184,41 +184,79 @@ def bitmap_mean_(
 # --------------------------------------------------------------------------- decode
 
 
+def _bits(data: torch.Tensor) -> torch.Tensor:
+    """The bits of uint8 ``data``, each byte's bit 0 first, as int64 0s and 1s."""
+    shifts = torch.arange(8, device=data.device)
+    return (data.to(torch.int64).unsqueeze(-1) >> shifts & 1).reshape(-1)
+
+
+def _pack(bits: torch.Tensor) -> torch.Tensor:
+    """:func:`_bits` undone: 8 bits (bit 0 first) to a uint8 byte."""
+    weights = 1 << torch.arange(8, device=bits.device)
+    return (bits.reshape(-1, 8) * weights).sum(1).to(torch.uint8)
+
+
 def compact_entries(entries: torch.Tensor, payload: torch.Tensor, limit: int) -> int:
-    """What :func:`gradshare.codec._kernels.compact_entries` computes."""
+    """What :func:`gradshare.codec._kernels.compact_entries` computes (and its choice of r)."""
     k = entries.numel()
     index = entries.abs().to(torch.int64)  # 1-based: the first entry's gap is from index -1
     gaps = torch.diff(index, prepend=index.new_zeros(1))
-    escapes = (gaps - 1) // GAP
-    num_bytes = k + int(escapes.sum())
-    if num_bytes > limit:
+    x = gaps - 1
+    r, best = 0, 0
+    for rr in range(MAX_R + 1):
+        high = int((x >> rr).sum())
+        size = 1 + (k + 7) // 8 + (k * rr + 7) // 8 + (high + k + 7) // 8
+        if rr == 0 or size < best:
+            r, best = rr, size
+        if high == 0:
+            break
+    if best > limit:
         return -1
-    where = torch.cumsum(escapes, 0).add_(torch.arange(k, device=entries.device))
-    code = (gaps - GAP * escapes) | (entries < 0).to(torch.int64) << 7
-    payload[where] = code.to(torch.uint8)
-    return num_bytes
+    lows = 1 + (k + 7) // 8
+    highs = lows + (k * r + 7) // 8
+    bits = torch.zeros(8 * best, dtype=torch.int64, device=entries.device)
+    bits[:8] = _bits(torch.tensor([r], dtype=torch.uint8))
+    bits[8 : 8 + k] = (entries < 0).to(torch.int64)
+    low = (x.unsqueeze(-1) >> torch.arange(r, device=x.device) & 1).reshape(-1)
+    bits[8 * lows : 8 * lows + k * r] = low
+    bits[8 * highs + torch.cumsum((x >> r) + 1, 0) - 1] = 1
+    payload[:best] = _pack(bits)
+    return best
 
 
 def expand_entries(data: torch.Tensor, k: int, numel: int) -> torch.Tensor | str:
     """The signed 1-based int32 entries of the compact bytes ``data``, or the fault."""
-    data = data.to(torch.int64)
-    if int(data[-1]) == 0:
-        return "it ends with an escape byte; the last byte must be an entry"
-    is_entry = data != 0
-    zero_gap = torch.nonzero(is_entry & ((data & GAP) == 0))  # 0x80: the sign bit alone
-    if zero_gap.numel():
+    size = data.numel()
+    r = int(data[0])
+    if r > MAX_R:
+        return f"byte 0 says r = {r} low bits per gap; expect 0 to {MAX_R}"
+    lows = 1 + (k + 7) // 8
+    highs = lows + (k * r + 7) // 8
+    if highs >= size:
         return (
-            f"byte {int(zero_gap[0, 0])} is 0x80, an entry of gap 0 (the sign bit alone), whose "
-            "index would not ascend; expect a gap of 1 to 127 in an entry's bits 0-6"
+            f"its {size} bytes are too few: r and the signs and {r}-bit low parts of K = {k} "
+            f"entries take {highs}, and the high parts at least 1 more"
         )
-    count = int(is_entry.sum())
-    if count != k:
-        return f"it holds {count} entry bytes, but the header says K = {k}"
-    position = torch.cumsum(torch.where(is_entry, data & GAP, GAP), 0)  # 1-based indices
+    bits = _bits(data)
+    if int(bits[8 + k : 8 * lows].sum()):
+        return f"spare sign bits of byte {lows - 1} are set; they must be zero"
+    if int(bits[8 * lows + k * r : 8 * highs].sum()):
+        return f"spare low-part bits of byte {highs - 1} are set; they must be zero"
+    if int(data[-1]) == 0:
+        return "its last byte is zero; the last byte holds the K-th entry's high part"
+    ones = torch.nonzero(bits[8 * highs :]).reshape(-1)
+    if ones.numel() != k:
+        return f"its high parts hold {ones.numel()} one bits, but the header says K = {k}"
+    high = torch.diff(ones, prepend=ones.new_full((1,), -1)) - 1
+    if int(high.max()) > numel >> r:
+        return f"a gap passes N = {numel}"
+    low_bits = bits[8 * lows : 8 * lows + k * r].reshape(k, r)
+    low = (low_bits << torch.arange(r, device=data.device)).sum(1)
+    position = torch.cumsum((high << r) + low + 1, 0)  # 1-based indices
     if int(position[-1]) > numel:
         return f"its last entry is at index {int(position[-1]) - 1}, past N = {numel}"
-    index = position[is_entry]
-    return torch.where(data[is_entry] > GAP, -index, index).to(torch.int32)
+    negative = bits[8 : 8 + k].bool()
+    return torch.where(negative, -position, position).to(torch.int32)
 
 
 def first_bad_sparse(entries: torch.Tensor, numel: int) -> int:

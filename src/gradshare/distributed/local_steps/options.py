@@ -90,9 +90,9 @@ class LocalStepsOptions:
     in its turn (Streaming DiLoCo), so each exchange carries 1/fragments of the bytes."""
 
     compact: bool = True
-    """Send sparse pieces in their compact form (a byte per entry where that is shorter:
-    lossless, the same replicas bit for bit); False sends DL4J's format, which a DL4J
-    decoder reads."""
+    """Send sparse pieces in their compact form (the gaps' Rice code, about 7 bits per entry
+    where DL4J's takes 32, where that is shorter: lossless, the same replicas bit for bit);
+    False sends DL4J's format, which a DL4J decoder reads."""
 
     broadcast_buffers: bool = True
     """Make the model's buffers (BatchNorm's statistics) rank 0's at every sync, as DDP does
