@@ -314,3 +314,31 @@ def test_fuzz_only_message_error(data: bytes, n: int) -> None:
         decode_(message, target)
     except MessageError:
         assert torch.equal(target, before)
+
+
+def test_kernel_and_torch_path_agree_on_flipped_bits() -> None:
+    """Compact payloads of 300 entries at r 0 to 9 with one to three bits flipped: the kernel
+    accepts exactly what the torch path accepts, with the same entries (the kernel's refusal
+    alone would be hidden: the torch path then reads the message to name its fault)."""
+    from gradshare.codec import _torch_paths
+    from gradshare.codec._dispatch import kernels
+
+    g = torch.Generator().manual_seed(0)
+    accepted = 0
+    for trial in range(300):
+        n = 300 * (1 + trial % 600)  # mean gaps 1 to 600: r 0 to 9
+        index = torch.randperm(n, generator=g)[:300].sort().values.tolist()
+        signs = (torch.randint(0, 2, (300,), generator=g) * 2 - 1).tolist()
+        small = compact_message(_sparse(n, index, signs))
+        data = small[5:].view(torch.uint8)[: int(small[4])].clone()
+        for _ in range(1 + trial % 3):
+            bit = int(torch.randint(0, 8 * data.numel(), (1,), generator=g))
+            data[bit // 8] ^= 1 << bit % 8
+        out = torch.empty(300, dtype=torch.int32)
+        ok = kernels().expand_entries(data.numpy(), out.numpy(), n) == 0
+        want = _torch_paths.expand_entries(data, 300, n)
+        assert ok == (not isinstance(want, str)), trial
+        if ok:
+            accepted += 1
+            assert torch.equal(out, want)
+    assert 0 < accepted < 300

@@ -817,66 +817,104 @@ def _bitmap_into(words, t, buf):  # pragma: no cover - compiled
             tb[j] += step if mag else hstep
 
 
-@njit(nogil=True, cache=True)
-def compact_size(entries, r):  # pragma: no cover - compiled
-    """The payload bytes of the ascending signed 1-based ``entries`` at Rice parameter r,
-    and the sum of their high parts."""
-    k = entries.size
-    prev = np.int64(0)
-    high = np.int64(0)
-    for j in range(k):
-        a = abs(np.int64(entries[j]))
-        high += (a - prev - 1) >> r
-        prev = a
-    return 1 + (k + 7) // 8 + (k * r + 7) // 8 + (high + k + 7) // 8, high
+COMPACT_SMALL = 1024
+"""Gaps below this are counted by value when the compact form picks its r."""
+DE_BRUIJN = 0x03F79D71B4CB0A89
+"""(x & -x) · this, its top 6 bits, tell x's lowest set bit (:data:`LOWEST_BIT`)."""
+LOWEST_BIT = np.zeros(64, np.int64)
+for _bit in range(64):
+    LOWEST_BIT[((DE_BRUIJN << _bit) % 2**64) >> 58] = _bit
+DE_BRUIJN_I64 = DE_BRUIJN  # below 2^63: an int64 product wraps as the uint64 one
 
 
 @njit(nogil=True, cache=True)
 def compact_r(entries):  # pragma: no cover - compiled
-    """The least r of the least payload, and its bytes: r counts up until every high part is
-    0, past which each r only adds bits."""
+    """The least r of the fewest payload bytes for the ascending signed 1-based ``entries``,
+    and those bytes. One pass counts each gap below :data:`COMPACT_SMALL` by value and sums
+    the longer ones' high parts for every r; then each r's size is summed from the counts."""
+    k = entries.size
+    count = np.zeros(COMPACT_SMALL, np.int64)
+    high = np.zeros(MAX_R + 1, np.int64)  # of the long gaps, then of all
+    prev = np.int64(0)
+    for j in range(k):
+        a = abs(np.int64(entries[j]))
+        x = a - prev - 1
+        prev = a
+        if x < COMPACT_SMALL:
+            count[x] += 1
+        else:
+            for r in range(MAX_R + 1):
+                high[r] += x >> r
     best_r, best = 0, np.int64(0)
     for r in range(MAX_R + 1):
-        size, high = compact_size(entries, r)
+        for x in range(1 << r, COMPACT_SMALL):  # x >> r is 0 below 2^r
+            high[r] += count[x] * (x >> r)
+        size = 1 + (k + 7) // 8 + (k * r + 7) // 8 + (high[r] + k + 7) // 8
         if r == 0 or size < best:
             best_r, best = r, size
-        if high == 0:
+        if high[r] == 0:
             break
     return best_r, best
 
 
 @njit(nogil=True, cache=True)
+def _lowest_bit(x):  # pragma: no cover - compiled
+    """The index of the lowest set bit of int64 ``x`` > 0."""
+    return LOWEST_BIT[(((x & -x) * DE_BRUIJN_I64) >> 58) & 63]
+
+
+@njit(nogil=True, cache=True)
+def _store(payload, at, word, count):  # pragma: no cover - compiled
+    """Store the low ``count`` bytes of ``word`` at ``payload[at:]``."""
+    for i in range(count):
+        payload[at + i] = (word >> (8 * i)) & 0xFF
+
+
+@njit(nogil=True, cache=True)
 def compact_entries(entries, payload, limit):  # pragma: no cover - compiled
     """Write the compact bytes of the ascending signed 1-based ``entries`` into the zeroed
-    uint8 ``payload``; their count L, or -1 (nothing written) when L would pass ``limit``."""
+    uint8 ``payload``; their count L, or -1 (nothing written) when L would pass ``limit``.
+    Each stream's bits gather in a 64-bit word, stored 4 bytes at a time."""
     k = entries.size
     r, size = compact_r(entries)
     if size > limit:
         return -1
-    lows = 1 + (k + 7) // 8
-    u = 8 * (lows + (k * r + 7) // 8)  # the bit that the next high part starts at
-    mask = (np.int64(1) << r) - 1
     payload[0] = r
+    mask = (np.int64(1) << r) - 1
+    low_at = 1 + (k + 7) // 8
+    high_at = low_at + (k * r + 7) // 8
+    signs = np.int64(0)
+    low, low_bits = np.int64(0), 0
+    high, high_bits = np.int64(0), 0
     prev = np.int64(0)
     for j in range(k):
         e = np.int64(entries[j])
         a = abs(e)
         x = a - prev - 1
         prev = a
-        if e < 0:
-            payload[1 + (j >> 3)] |= np.uint8(1 << (j & 7))
-        v = x & mask
-        o = 8 * lows + j * r
-        left = r
-        while left > 0:
-            shift = o & 7
-            payload[o >> 3] |= np.uint8((v << shift) & 0xFF)
-            v >>= 8 - shift
-            o += 8 - shift
-            left -= 8 - shift
-        u += x >> r
-        payload[u >> 3] |= np.uint8(1 << (u & 7))
-        u += 1
+        signs |= np.int64(e < 0) << (j & 7)
+        if j & 7 == 7:
+            payload[1 + (j >> 3)] = signs
+            signs = 0
+        low |= (x & mask) << low_bits
+        low_bits += r
+        if low_bits >= 32:
+            _store(payload, low_at, low, 4)
+            low >>= 32
+            low_bits -= 32
+            low_at += 4
+        high_bits += x >> r  # q zeros, then a one
+        while high_bits >= 32:
+            _store(payload, high_at, high, 4)
+            high >>= 32
+            high_bits -= 32
+            high_at += 4
+        high |= np.int64(1) << high_bits
+        high_bits += 1
+    if k & 7:
+        payload[1 + (k >> 3)] = signs
+    _store(payload, low_at, low, (low_bits + 7) // 8)
+    _store(payload, high_at, high, (high_bits + 7) // 8)
     return size
 
 
@@ -885,50 +923,66 @@ def expand_entries(data, out, numel):  # pragma: no cover - compiled
     """The signed 1-based entries of the compact bytes ``data`` into int32 ``out`` (K long):
     0, or 1 when the bytes are not a valid compact payload of K entries for ``numel``
     elements (the caller's torch path then names the fault). Every gap is at least 1, so the
-    indices it accepts strictly ascend."""
+    indices it accepts strictly ascend. The low and high streams are read through 64-bit
+    windows of at most 56 bits."""
     k = out.size
     size = data.size
     if size == 0 or np.int64(data[0]) > MAX_R:
         return 1
     r = np.int64(data[0])
-    lows = 1 + (k + 7) // 8
-    highs = lows + (k * r + 7) // 8
-    if highs >= size or data[size - 1] == 0:
+    mask = (np.int64(1) << r) - 1
+    low_at = 1 + (k + 7) // 8
+    high_at = low_at + (k * r + 7) // 8
+    if high_at >= size or data[size - 1] == 0:
         return 1
-    if k & 7 and (np.int64(data[lows - 1]) >> (k & 7)) != 0:
+    if k & 7 and (np.int64(data[low_at - 1]) >> (k & 7)) != 0:
         return 1
-    if (k * r) & 7 and (np.int64(data[highs - 1]) >> ((k * r) & 7)) != 0:
+    if (k * r) & 7 and (np.int64(data[high_at - 1]) >> ((k * r) & 7)) != 0:
         return 1
-    u = 8 * highs
-    end = 8 * size
     most = np.int64(numel) >> r
+    low, low_bits = np.int64(0), 0
+    high, high_bits = np.int64(0), 0
+    signs = np.int64(0)
     pos = np.int64(0)
     for j in range(k):
-        v = np.int64(0)
-        o = 8 * lows + j * r
-        got = 0
-        while got < r:
-            shift = o & 7
-            take = min(8 - shift, r - got)
-            v |= ((np.int64(data[o >> 3]) >> shift) & ((1 << take) - 1)) << got
-            got += take
-            o += take
+        if j & 7 == 0:
+            signs = np.int64(data[1 + (j >> 3)])
+        if low_bits < r:
+            while low_bits <= 48 and low_at < size:
+                low |= np.int64(data[low_at]) << low_bits
+                low_at += 1
+                low_bits += 8
+        v = low & mask
+        low >>= r
+        low_bits -= r
         q = np.int64(0)
-        while u < end and (data[u >> 3] >> (u & 7)) & 1 == 0:
-            u += 1
-            q += 1
-        if u == end or q > most:
+        if high_bits <= 8:
+            while high_bits <= 48 and high_at < size:
+                high |= np.int64(data[high_at]) << high_bits
+                high_at += 1
+                high_bits += 8
+        while high == 0:  # the window's bits are all zeros
+            q += high_bits
+            if high_at == size or q > most:
+                return 1
+            high_bits = 0
+            while high_bits <= 48 and high_at < size:
+                high |= np.int64(data[high_at]) << high_bits
+                high_at += 1
+                high_bits += 8
+        t = _lowest_bit(high)
+        q += t
+        high = (high >> t) >> 1
+        high_bits -= t + 1
+        if q > most:
             return 1
-        u += 1
         pos += (q << r) + v + 1
         if pos > numel:
             return 1
-        out[j] = -pos if (data[1 + (j >> 3)] >> (j & 7)) & 1 else pos
-    if u & 7 and (np.int64(data[u >> 3]) >> (u & 7)) != 0:
+        out[j] = -pos if signs & 1 else pos
+        signs >>= 1
+    if high != 0 or high_at != size:  # a one past the K-th, or bytes after its byte
         return 1
-    for i in range((u + 7) >> 3, size):
-        if data[i] != 0:
-            return 1
     return 0
 
 
