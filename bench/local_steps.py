@@ -58,14 +58,18 @@ Methods:
   rank a replica group of one (its own TCPStore, ``Manager(ProcessGroupGloo(),
   use_async_quorum=False, init_sync=False)``), outer Nesterov SGD 0.7 / 0.9, dense float32.
 * ``-agree``: the outer optimizer is ``gradshare.AgreementSGD`` (plain SGD on the mean mapped
-  by the ranks' agreement), at the default lr unless ``-lr``.
-* ``-warm{n}`` (a study, after ``-agree``, before ``-f``): the first n inner steps each end
+  by the ranks' agreement), at the default lr unless ``-lr``; ``-agree{m}`` maps as for m
+  ranks (``ranks=m``: m below the world size maps milder).
+* ``-snr`` (a study, after ``-agree``): before each sync, each rank scales its Δ per element
+  by sqrt(v / (μ² + σ²/M)), μ² and σ² estimated from its own Adam moments (an adaptive inner
+  optimizer only): as Adam's step on M ranks' mean gradient is against one rank's.
+* ``-warm{n}`` (a study, after ``-snr``, before ``-f``): the first n inner steps each end
   with a sync, then every H (more syncs while the replicas part fastest; more bytes).
 * ``-overlap`` (after any ``local`` method): ``overlap=True``, merged at the next sync;
   ``-overlap{τ}``: ``overlap=τ``, merged τ inner steps after its sync; ``-f{p}`` before it
   sets ``fragments=p`` (Streaming DiLoCo's fragments, synced in turn).
 * ``-c`` (last, after any ``local`` method): ``compact=True``, sparse pieces in their compact
-  form (a byte per entry plus escapes): the same run bit for bit, fewer bytes.
+  form (the gaps' Rice code): the same run bit for bit, fewer bytes.
 * ``shared-ddp``: ``SharedOptimizer(opt, threshold=QuantileThreshold(0.01), ddp=net)`` (as
   ``bench/workloads.py``'s ``shared-ddp-1%``): the best every-step gradshare path.
 
@@ -120,7 +124,7 @@ DILOCO_LR, DILOCO_MOMENTUM = 0.7, 0.9
 METHOD = re.compile(
     r"^(?P<kind>local|diloco-dense|postlocal|torchft)(-H(?P<h>\d+))?(-d(?P<pct>[\d.]+))?"
     r"(-lr(?P<lr>[\d.]+))?(-b(?P<beta>[\d.]+))?(-w(?P<warmup>\d+))?(?P<mean>-mean)?"
-    r"(?P<nesterov>-nesterov)?(-m(?P<momentum>[\d.]+))?(?P<agree>-agree)?(-warm(?P<warm>\d+))?"
+    r"(?P<nesterov>-nesterov)?(-m(?P<momentum>[\d.]+))?(?P<agree>-agree(?P<ranks>\d+)?)?(?P<snr>-snr)?(-warm(?P<warm>\d+))?"
     r"(-f(?P<frags>\d+))?"
     r"(?P<overlap>-overlap(?P<tau>\d+)?)?(?P<compact>-c)?$"
 )
@@ -268,7 +272,8 @@ def build(name: str, model: nn.Module, opt: torch.optim.Optimizer, steps: int) -
             mu = float(m["momentum"])
             kwargs["outer_optimizer"] = lambda p: torch.optim.SGD(p, lr=rate, momentum=mu)
         elif m["agree"]:
-            kwargs["outer_optimizer"] = lambda p: gradshare.AgreementSGD(p, lr=rate)
+            ranks = int(m["ranks"]) if m["ranks"] else None
+            kwargs["outer_optimizer"] = lambda p: gradshare.AgreementSGD(p, lr=rate, ranks=ranks)
         elif lr is not None:
             kwargs["outer_optimizer"] = lambda p: torch.optim.SGD(p, lr=lr)
         if m["beta"]:
@@ -290,6 +295,8 @@ def build(name: str, model: nn.Module, opt: torch.optim.Optimizer, steps: int) -
     sync = gradshare.LocalSteps(model, opt, sync_every=h, **kwargs)
     if m["warm"]:  # a study: the first n inner steps each end with a sync, then every h
         sync._schedule = _Warm(sync._schedule, int(m["warm"]))
+    if m["snr"]:
+        _scale_by_snr(sync, opt)
     outer = sync.outer.param_groups[0]
     settings = {
         "sync_every": h,
@@ -301,6 +308,38 @@ def build(name: str, model: nn.Module, opt: torch.optim.Optimizer, steps: int) -
         "outer_momentum": outer.get("momentum", 0.0),
     }
     return Method(model, opt, lambda: float(sync.bytes_sent), sync.close, settings)
+
+
+def _scale_by_snr(sync: Any, opt: torch.optim.Optimizer) -> None:
+    """A study (``-snr``): before each sync, each rank scales its Δ per element by
+    sqrt(v / (μ² + σ²/M)), as Adam's step on M ranks' mean gradient is against its step on
+    one rank's, with μ² and σ² estimated from the rank's own Adam moments (m's noise is
+    (1-β1)/(1+β1) of σ²). Δ is scaled by moving the model, which the sync then replaces."""
+    ranks = dist.get_world_size()
+    start = {id(p): g for f in sync._fragments for g, p in zip(f.globals, f.params, strict=True)}
+    tick = sync._tick
+
+    @torch.no_grad()
+    def scaled_tick() -> None:
+        if sync._broken is None and sync._schedule.due(sync.steps + 1):
+            for group in opt.param_groups:
+                b1, b2 = group["betas"]
+                c = (1 - b1) / (1 + b1)
+                for p in group["params"]:
+                    state = opt.state.get(p)
+                    if not state:
+                        continue
+                    t = float(state["step"])
+                    m = state["exp_avg"] / (1 - b1**t)
+                    v = state["exp_avg_sq"] / (1 - b2**t)
+                    noise = (v - m * m).clamp_(min=0) / (1 - c)
+                    signal = (m * m - c * noise).clamp_(min=0)
+                    r = (v / (signal + noise / ranks).clamp_(min=1e-30)).sqrt_()
+                    g = start[id(p)].reshape(p.shape)
+                    p.copy_(g - r.clamp_(1.0, ranks**0.5) * (g - p))
+        tick()
+
+    sync._tick = scaled_tick
 
 
 class _Warm:
