@@ -820,11 +820,11 @@ def _bitmap_into(words, t, buf):  # pragma: no cover - compiled
 COMPACT_SMALL = 1024
 """Gaps below this are counted by value when the compact form picks its r."""
 DE_BRUIJN = 0x03F79D71B4CB0A89
-"""(x & -x) · this, its top 6 bits, tell x's lowest set bit (:data:`LOWEST_BIT`)."""
+"""(x & -x) · this, its top 6 bits, tell x's lowest set bit (:data:`LOWEST_BIT`); it is below
+2^63, so the int64 product wraps as the uint64 one."""
 LOWEST_BIT = np.zeros(64, np.int64)
 for _bit in range(64):
     LOWEST_BIT[((DE_BRUIJN << _bit) % 2**64) >> 58] = _bit
-DE_BRUIJN_I64 = DE_BRUIJN  # below 2^63: an int64 product wraps as the uint64 one
 
 
 @njit(nogil=True, cache=True)
@@ -860,7 +860,18 @@ def compact_r(entries):  # pragma: no cover - compiled
 @njit(nogil=True, cache=True)
 def _lowest_bit(x):  # pragma: no cover - compiled
     """The index of the lowest set bit of int64 ``x`` > 0."""
-    return LOWEST_BIT[(((x & -x) * DE_BRUIJN_I64) >> 58) & 63]
+    return LOWEST_BIT[(((x & -x) * DE_BRUIJN) >> 58) & 63]
+
+
+@njit(nogil=True, cache=True)
+def _fill(data, at, word, bits):  # pragma: no cover - compiled
+    """A stream's read window: ``word`` with ``bits`` unread bits, topped up from ``data[at:]``
+    a byte at a time to more than 48 bits (at most 56) or the end; the new word, at and bits."""
+    while bits <= 48 and at < data.size:
+        word |= np.int64(data[at]) << bits
+        at += 1
+        bits += 8
+    return word, at, bits
 
 
 @njit(nogil=True, cache=True)
@@ -948,28 +959,18 @@ def expand_entries(data, out, numel):  # pragma: no cover - compiled
         if j & 7 == 0:
             signs = np.int64(data[1 + (j >> 3)])
         if low_bits < r:
-            while low_bits <= 48 and low_at < size:
-                low |= np.int64(data[low_at]) << low_bits
-                low_at += 1
-                low_bits += 8
+            low, low_at, low_bits = _fill(data, low_at, low, low_bits)
         v = low & mask
         low >>= r
         low_bits -= r
         q = np.int64(0)
         if high_bits <= 8:
-            while high_bits <= 48 and high_at < size:
-                high |= np.int64(data[high_at]) << high_bits
-                high_at += 1
-                high_bits += 8
+            high, high_at, high_bits = _fill(data, high_at, high, high_bits)
         while high == 0:  # the window's bits are all zeros
             q += high_bits
             if high_at == size or q > most:
                 return 1
-            high_bits = 0
-            while high_bits <= 48 and high_at < size:
-                high |= np.int64(data[high_at]) << high_bits
-                high_at += 1
-                high_bits += 8
+            high, high_at, high_bits = _fill(data, high_at, high, 0)
         t = _lowest_bit(high)
         q += t
         high = (high >> t) >> 1
