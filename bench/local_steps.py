@@ -63,7 +63,11 @@ Methods:
 * ``-snr`` (a study, after ``-agree``): before each sync, each rank scales its Δ per element
   by sqrt(v / (μ² + σ²/M)), μ² and σ² estimated from its own Adam moments (an adaptive inner
   optimizer only): as Adam's step on M ranks' mean gradient is against one rank's.
-* ``-warm{n}`` (a study, after ``-snr``, before ``-f``): the first n inner steps each end
+* ``-share`` (a study, after ``-snr``): before each sync the model's entries (density x its
+  elements) are parted among the tensors by their share of the update, one threshold over the
+  whole model's β·residual + Δ setting each tensor's density (in [density/8, 50 %]; a bitmap
+  past 1/16).
+* ``-warm{n}`` (a study, after ``-share``, before ``-f``): the first n inner steps each end
   with a sync, then every H (more syncs while the replicas part fastest; more bytes).
 * ``-overlap`` (after any ``local`` method): ``overlap=True``, merged at the next sync;
   ``-overlap{τ}``: ``overlap=τ``, merged τ inner steps after its sync; ``-f{p}`` before it
@@ -124,7 +128,7 @@ DILOCO_LR, DILOCO_MOMENTUM = 0.7, 0.9
 METHOD = re.compile(
     r"^(?P<kind>local|diloco-dense|postlocal|torchft)(-H(?P<h>\d+))?(-d(?P<pct>[\d.]+))?"
     r"(-lr(?P<lr>[\d.]+))?(-b(?P<beta>[\d.]+))?(-w(?P<warmup>\d+))?(?P<mean>-mean)?"
-    r"(?P<nesterov>-nesterov)?(-m(?P<momentum>[\d.]+))?(?P<agree>-agree(?P<ranks>\d+)?)?(?P<snr>-snr)?(-warm(?P<warm>\d+))?"
+    r"(?P<nesterov>-nesterov)?(-m(?P<momentum>[\d.]+))?(?P<agree>-agree(?P<ranks>\d+)?)?(?P<snr>-snr)?(?P<share>-share)?(-warm(?P<warm>\d+))?"
     r"(-f(?P<frags>\d+))?"
     r"(?P<overlap>-overlap(?P<tau>\d+)?)?(?P<compact>-c)?$"
 )
@@ -297,6 +301,8 @@ def build(name: str, model: nn.Module, opt: torch.optim.Optimizer, steps: int) -
         sync._schedule = _Warm(sync._schedule, int(m["warm"]))
     if m["snr"]:
         _scale_by_snr(sync, opt)
+    if m["share"]:
+        _density_by_share(sync)
     outer = sync.outer.param_groups[0]
     settings = {
         "sync_every": h,
@@ -340,6 +346,41 @@ def _scale_by_snr(sync: Any, opt: torch.optim.Optimizer) -> None:
         tick()
 
     sync._tick = scaled_tick
+
+
+def _density_by_share(sync: Any) -> None:
+    """A study (``-share``): before each sync, the model's budget of entries (density x its
+    elements) is parted among the tensors by their share of the update: one threshold over
+    the whole model's β·residual + Δ, each tensor's density the fraction of its elements that
+    cross it (in [density / 8, 1/2]; a bitmap past 1/16), which its own sampled threshold
+    then aims at. Every rank parts its own budget (its messages differ in size, not in kind)."""
+    density = sync.density
+    pairs = [
+        (enc, g, p)
+        for f in sync._fragments
+        for enc, g, p, whole in zip(f.encoders, f.globals, f.params, f.whole, strict=True)
+        if not whole
+    ]
+    total = sum(p.numel() for _, _, p in pairs)
+    tick = sync._tick
+
+    @torch.no_grad()
+    def shared_tick() -> None:
+        if sync._broken is None and sync._schedule.due(sync.steps + 1):
+            mags = []
+            for enc, g, p in pairs:
+                r = g.reshape(-1).float() - p.detach().reshape(-1).float()
+                if enc.residual is not None:
+                    r.add_(enc.residual, alpha=sync.decay)
+                mags.append(r.abs_())
+            flat = torch.cat(mags)
+            t = torch.topk(flat, max(1, round(density * total)), sorted=False).values.min()
+            for (enc, _, _), m in zip(pairs, mags, strict=True):
+                share = float((m >= t).sum()) / m.numel()
+                enc.algorithm.density = min(max(share, density / 8), 0.5)
+        tick()
+
+    sync._tick = shared_tick
 
 
 class _Warm:
@@ -578,12 +619,14 @@ def table(rs: list[Row]) -> str:
     for cfg in dict.fromkeys((r.workload, r.world, r.steps) for r in rs):
         w = workload_of(cfg[0])
         vs = "- dense (pts)" if w.higher_is_better else "/ dense"
+        mine = [r for r in rs if (r.workload, r.world, r.steps) == cfg]
+        width = max(22, *(len(r.method) for r in mine))
         lines.append(f"\n{cfg[0]}: {w.title}, {cfg[1]} ranks, {cfg[2]} steps")
         lines.append(
-            f"{'method':<22} {w.metric:>24} {vs:>13} {'bytes/rank':>14} {'compr.':>8} "
+            f"{'method':<{width}} {w.metric:>24} {vs:>13} {'bytes/rank':>14} {'compr.':>8} "
             f"{'x@14bit':>8} {'ident.':>6} {'s/run':>6} {'load':>5} seeds"
         )
-        for r in (r for r in rs if (r.workload, r.world, r.steps) == cfg):
+        for r in mine:
             if r.vs_dense is None:
                 v = "-"
             elif w.higher_is_better:
@@ -592,7 +635,7 @@ def table(rs: list[Row]) -> str:
                 v = f"{r.vs_dense:.4f}"
             c14 = "-" if r.compression_14bit is None else f"{r.compression_14bit:.0f}x"
             lines.append(
-                f"{r.method:<22} {r.metric_mean:>15.4f} ± {r.metric_sd:.4f} {v:>13} "
+                f"{r.method:<{width}} {r.metric_mean:>15.4f} ± {r.metric_sd:.4f} {v:>13} "
                 f"{r.bytes_per_rank:>14,.0f} {r.compression:>7.1f}x {c14:>8} "
                 f"{r.identical!s:>6} {r.seconds:>6.0f} {r.load:>5.1f} "
                 f"{','.join(map(str, r.seeds))}"
