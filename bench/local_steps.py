@@ -66,7 +66,7 @@ Methods:
 * ``-share`` (a study, after ``-snr``): before each sync the model's entries (density x its
   elements) are parted among the tensors by their share of the update, one threshold over the
   whole model's β·residual + Δ setting each tensor's density (in [density/8, 50 %]; a bitmap
-  past 1/16).
+  past 1/16); ``-share{pct}`` caps each at pct % and parts what a cap leaves among the others.
 * ``-warm{n}`` (a study, after ``-share``, before ``-f``): the first n inner steps each end
   with a sync, then every H (more syncs while the replicas part fastest; more bytes).
 * ``-overlap`` (after any ``local`` method): ``overlap=True``, merged at the next sync;
@@ -128,7 +128,7 @@ DILOCO_LR, DILOCO_MOMENTUM = 0.7, 0.9
 METHOD = re.compile(
     r"^(?P<kind>local|diloco-dense|postlocal|torchft)(-H(?P<h>\d+))?(-d(?P<pct>[\d.]+))?"
     r"(-lr(?P<lr>[\d.]+))?(-b(?P<beta>[\d.]+))?(-w(?P<warmup>\d+))?(?P<mean>-mean)?"
-    r"(?P<nesterov>-nesterov)?(-m(?P<momentum>[\d.]+))?(?P<agree>-agree(?P<ranks>\d+)?)?(?P<snr>-snr)?(?P<share>-share)?(-warm(?P<warm>\d+))?"
+    r"(?P<nesterov>-nesterov)?(-m(?P<momentum>[\d.]+))?(?P<agree>-agree(?P<ranks>\d+)?)?(?P<snr>-snr)?(?P<share>-share(?P<cap>[\d.]+)?)?(-warm(?P<warm>\d+))?"
     r"(-f(?P<frags>\d+))?"
     r"(?P<overlap>-overlap(?P<tau>\d+)?)?(?P<compact>-c)?$"
 )
@@ -302,7 +302,7 @@ def build(name: str, model: nn.Module, opt: torch.optim.Optimizer, steps: int) -
     if m["snr"]:
         _scale_by_snr(sync, opt)
     if m["share"]:
-        _density_by_share(sync)
+        _density_by_share(sync, float(m["cap"]) / 100 if m["cap"] else None)
     outer = sync.outer.param_groups[0]
     settings = {
         "sync_every": h,
@@ -348,12 +348,14 @@ def _scale_by_snr(sync: Any, opt: torch.optim.Optimizer) -> None:
     sync._tick = scaled_tick
 
 
-def _density_by_share(sync: Any) -> None:
-    """A study (``-share``): before each sync, the model's budget of entries (density x its
-    elements) is parted among the tensors by their share of the update: one threshold over
-    the whole model's β·residual + Δ, each tensor's density the fraction of its elements that
-    cross it (in [density / 8, 1/2]; a bitmap past 1/16), which its own sampled threshold
-    then aims at. Every rank parts its own budget (its messages differ in size, not in kind)."""
+def _density_by_share(sync: Any, cap: float | None) -> None:
+    """A study (``-share``, ``-share{pct}``): before each sync, the model's budget of entries
+    (density x its elements) is parted among the tensors by their share of the update: one
+    threshold over the whole model's β·residual + Δ, each tensor's density the fraction of its
+    elements that cross it, at least density / 8 and at most 50 % (a bitmap past 1/16), which
+    its own sampled threshold then aims at; with ``cap`` (``-share6``: 6 %) at most that, and
+    the budget a capped tensor leaves is parted among the others. Every rank parts its own
+    budget (its messages differ in size, not in kind)."""
     density = sync.density
     pairs = [
         (enc, g, p)
@@ -363,6 +365,8 @@ def _density_by_share(sync: Any) -> None:
     ]
     total = sum(p.numel() for _, _, p in pairs)
     tick = sync._tick
+    most = 0.5 if cap is None else cap
+    spread = cap is not None
 
     @torch.no_grad()
     def shared_tick() -> None:
@@ -373,11 +377,22 @@ def _density_by_share(sync: Any) -> None:
                 if enc.residual is not None:
                     r.add_(enc.residual, alpha=sync.decay)
                 mags.append(r.abs_())
-            flat = torch.cat(mags)
-            t = torch.topk(flat, max(1, round(density * total)), sorted=False).values.min()
-            for (enc, _, _), m in zip(pairs, mags, strict=True):
-                share = float((m >= t).sum()) / m.numel()
-                enc.algorithm.density = min(max(share, density / 8), 0.5)
+            shares: dict[int, float] = {}
+            budget = density * total
+            while len(shares) < len(mags):  # a capped tensor's budget goes to the others
+                rest = [i for i in range(len(mags)) if i not in shares]
+                flat = torch.cat([mags[i] for i in rest])
+                k = min(flat.numel(), max(1, round(budget)))
+                t = torch.topk(flat, k, sorted=False).values.min()
+                over = [i for i in rest if spread and (mags[i] >= t).sum() > most * mags[i].numel()]
+                if not over:
+                    shares.update({i: float((mags[i] >= t).sum()) / mags[i].numel() for i in rest})
+                    break
+                for i in over:
+                    shares[i] = most
+                    budget -= most * mags[i].numel()
+            for i, (enc, _, _) in enumerate(pairs):
+                enc.algorithm.density = min(max(shares[i], density / 8), most)
         tick()
 
     sync._tick = shared_tick
