@@ -66,7 +66,8 @@ Methods:
 * ``-share`` (a study, after ``-snr``): before each sync the model's entries (density x its
   elements) are parted among the tensors by their share of the update, one threshold over the
   whole model's β·residual + Δ setting each tensor's density (in [density/8, 50 %]; a bitmap
-  past 1/16); ``-share{pct}`` caps each at pct % and parts what a cap leaves among the others.
+  past 1/16); ``-share{pct}`` caps each at pct % and parts what a cap leaves among the others;
+  ``-floor`` after it gives each tensor at least the density.
 * ``-warm{n}`` (a study, after ``-share``, before ``-f``): the first n inner steps each end
   with a sync, then every H (more syncs while the replicas part fastest; more bytes).
 * ``-overlap`` (after any ``local`` method): ``overlap=True``, merged at the next sync;
@@ -128,7 +129,7 @@ DILOCO_LR, DILOCO_MOMENTUM = 0.7, 0.9
 METHOD = re.compile(
     r"^(?P<kind>local|diloco-dense|postlocal|torchft)(-H(?P<h>\d+))?(-d(?P<pct>[\d.]+))?"
     r"(-lr(?P<lr>[\d.]+))?(-b(?P<beta>[\d.]+))?(-w(?P<warmup>\d+))?(?P<mean>-mean)?"
-    r"(?P<nesterov>-nesterov)?(-m(?P<momentum>[\d.]+))?(?P<agree>-agree(?P<ranks>\d+)?)?(?P<snr>-snr)?(?P<share>-share(?P<cap>[\d.]+)?)?(-warm(?P<warm>\d+))?"
+    r"(?P<nesterov>-nesterov)?(-m(?P<momentum>[\d.]+))?(?P<agree>-agree(?P<ranks>\d+)?)?(?P<snr>-snr)?(?P<share>-share(?P<cap>[\d.]+)?(?P<floor>-floor)?)?(-warm(?P<warm>\d+))?"
     r"(-f(?P<frags>\d+))?"
     r"(?P<overlap>-overlap(?P<tau>\d+)?)?(?P<compact>-c)?$"
 )
@@ -302,7 +303,8 @@ def build(name: str, model: nn.Module, opt: torch.optim.Optimizer, steps: int) -
     if m["snr"]:
         _scale_by_snr(sync, opt)
     if m["share"]:
-        _density_by_share(sync, float(m["cap"]) / 100 if m["cap"] else None)
+        cap = float(m["cap"]) / 100 if m["cap"] else None
+        _density_by_share(sync, cap, bool(m["floor"]))
     outer = sync.outer.param_groups[0]
     settings = {
         "sync_every": h,
@@ -348,14 +350,15 @@ def _scale_by_snr(sync: Any, opt: torch.optim.Optimizer) -> None:
     sync._tick = scaled_tick
 
 
-def _density_by_share(sync: Any, cap: float | None) -> None:
+def _density_by_share(sync: Any, cap: float | None, floor: bool) -> None:
     """A study (``-share``, ``-share{pct}``): before each sync, the model's budget of entries
     (density x its elements) is parted among the tensors by their share of the update: one
     threshold over the whole model's β·residual + Δ, each tensor's density the fraction of its
     elements that cross it, at least density / 8 and at most 50 % (a bitmap past 1/16), which
     its own sampled threshold then aims at; with ``cap`` (``-share6``: 6 %) at most that, and
-    the budget a capped tensor leaves is parted among the others. Every rank parts its own
-    budget (its messages differ in size, not in kind)."""
+    the budget a capped tensor leaves is parted among the others; with ``floor`` (``-floor``)
+    at least the density (more entries than the budget). Every rank parts its own budget (its
+    messages differ in size, not in kind)."""
     density = sync.density
     pairs = [
         (enc, g, p)
@@ -392,7 +395,8 @@ def _density_by_share(sync: Any, cap: float | None) -> None:
                     shares[i] = most
                     budget -= most * mags[i].numel()
             for i, (enc, _, _) in enumerate(pairs):
-                enc.algorithm.density = min(max(shares[i], density / 8), most)
+                least = density if floor else density / 8
+                enc.algorithm.density = min(max(shares[i], least), most)
         tick()
 
     sync._tick = shared_tick
