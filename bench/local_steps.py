@@ -129,7 +129,8 @@ DILOCO_LR, DILOCO_MOMENTUM = 0.7, 0.9
 METHOD = re.compile(
     r"^(?P<kind>local|diloco-dense|postlocal|torchft)(-H(?P<h>\d+))?(-d(?P<pct>[\d.]+))?"
     r"(-lr(?P<lr>[\d.]+))?(-b(?P<beta>[\d.]+))?(-w(?P<warmup>\d+))?(?P<mean>-mean)?"
-    r"(?P<nesterov>-nesterov)?(-m(?P<momentum>[\d.]+))?(?P<agree>-agree(?P<ranks>\d+)?)?(?P<snr>-snr)?(?P<share>-share(?P<cap>[\d.]+)?(?P<floor>-floor)?)?(-warm(?P<warm>\d+))?"
+    r"(?P<nesterov>-nesterov)?(-m(?P<momentum>[\d.]+))?(?P<agree>-agree(?P<ranks>\d+)?)?"
+    r"(?P<snr>-snr)?(?P<share>-share(?P<cap>[\d.]+)?(?P<floor>-floor)?)?(-warm(?P<warm>\d+))?"
     r"(-f(?P<frags>\d+))?"
     r"(?P<overlap>-overlap(?P<tau>\d+)?)?(?P<compact>-c)?$"
 )
@@ -325,29 +326,25 @@ def _scale_by_snr(sync: Any, opt: torch.optim.Optimizer) -> None:
     (1-β1)/(1+β1) of σ²). Δ is scaled by moving the model, which the sync then replaces."""
     ranks = dist.get_world_size()
     start = {id(p): g for f in sync._fragments for g, p in zip(f.globals, f.params, strict=True)}
-    tick = sync._tick
 
-    @torch.no_grad()
-    def scaled_tick() -> None:
-        if sync._broken is None and sync._schedule.due(sync.steps + 1):
-            for group in opt.param_groups:
-                b1, b2 = group["betas"]
-                c = (1 - b1) / (1 + b1)
-                for p in group["params"]:
-                    state = opt.state.get(p)
-                    if not state:
-                        continue
-                    t = float(state["step"])
-                    m = state["exp_avg"] / (1 - b1**t)
-                    v = state["exp_avg_sq"] / (1 - b2**t)
-                    noise = (v - m * m).clamp_(min=0) / (1 - c)
-                    signal = (m * m - c * noise).clamp_(min=0)
-                    r = (v / (signal + noise / ranks).clamp_(min=1e-30)).sqrt_()
-                    g = start[id(p)].reshape(p.shape)
-                    p.copy_(g - r.clamp_(1.0, ranks**0.5) * (g - p))
-        tick()
+    def scale() -> None:
+        for group in opt.param_groups:
+            b1, b2 = group["betas"]
+            c = (1 - b1) / (1 + b1)
+            for p in group["params"]:
+                state = opt.state.get(p)
+                if not state:
+                    continue
+                t = float(state["step"])
+                m = state["exp_avg"] / (1 - b1**t)
+                v = state["exp_avg_sq"] / (1 - b2**t)
+                noise = (v - m * m).clamp_(min=0) / (1 - c)
+                signal = (m * m - c * noise).clamp_(min=0)
+                r = (v / (signal + noise / ranks).clamp_(min=1e-30)).sqrt_()
+                g = start[id(p)].reshape(p.shape)
+                p.copy_(g - r.clamp_(1.0, ranks**0.5) * (g - p))
 
-    sync._tick = scaled_tick
+    _before_each_sync(sync, scale)
 
 
 def _density_by_share(sync: Any, cap: float | None, floor: bool) -> None:
@@ -367,39 +364,49 @@ def _density_by_share(sync: Any, cap: float | None, floor: bool) -> None:
         if not whole
     ]
     total = sum(p.numel() for _, _, p in pairs)
-    tick = sync._tick
     most = 0.5 if cap is None else cap
-    spread = cap is not None
+    least = density if floor else density / 8
+
+    def part() -> None:
+        mags = []
+        for enc, g, p in pairs:
+            r = g.reshape(-1).float() - p.detach().reshape(-1).float()
+            if enc.residual is not None:
+                r.add_(enc.residual, alpha=sync.decay)
+            mags.append(r.abs_())
+        shares: dict[int, float] = {}
+        budget = density * total
+        while len(shares) < len(mags):  # a capped tensor's budget goes to the others
+            rest = [i for i in range(len(mags)) if i not in shares]
+            flat = torch.cat([mags[i] for i in rest])
+            k = min(flat.numel(), max(1, round(budget)))
+            t = torch.topk(flat, k, sorted=False).values.min()
+            crossing = {i: int((mags[i] >= t).sum()) for i in rest}
+            over = [i for i in rest if cap is not None and crossing[i] > cap * mags[i].numel()]
+            if not over:
+                shares.update({i: crossing[i] / mags[i].numel() for i in rest})
+                break
+            for i in over:
+                shares[i] = most
+                budget -= most * mags[i].numel()
+        for i, (enc, _, _) in enumerate(pairs):
+            enc.algorithm.density = min(max(shares[i], least), most)
+
+    _before_each_sync(sync, part)
+
+
+def _before_each_sync(sync: Any, study: Callable[[], None]) -> None:
+    """Run ``study`` (without autograd) after the inner step that a sync follows, before the
+    sync's round: LocalSteps' tick, which runs after every inner step, wrapped."""
+    tick = sync._tick
 
     @torch.no_grad()
-    def shared_tick() -> None:
+    def studied_tick() -> None:
         if sync._broken is None and sync._schedule.due(sync.steps + 1):
-            mags = []
-            for enc, g, p in pairs:
-                r = g.reshape(-1).float() - p.detach().reshape(-1).float()
-                if enc.residual is not None:
-                    r.add_(enc.residual, alpha=sync.decay)
-                mags.append(r.abs_())
-            shares: dict[int, float] = {}
-            budget = density * total
-            while len(shares) < len(mags):  # a capped tensor's budget goes to the others
-                rest = [i for i in range(len(mags)) if i not in shares]
-                flat = torch.cat([mags[i] for i in rest])
-                k = min(flat.numel(), max(1, round(budget)))
-                t = torch.topk(flat, k, sorted=False).values.min()
-                over = [i for i in rest if spread and (mags[i] >= t).sum() > most * mags[i].numel()]
-                if not over:
-                    shares.update({i: float((mags[i] >= t).sum()) / mags[i].numel() for i in rest})
-                    break
-                for i in over:
-                    shares[i] = most
-                    budget -= most * mags[i].numel()
-            for i, (enc, _, _) in enumerate(pairs):
-                least = density if floor else density / 8
-                enc.algorithm.density = min(max(shares[i], least), most)
+            study()
         tick()
 
-    sync._tick = shared_tick
+    sync._tick = studied_tick
 
 
 class _Warm:
